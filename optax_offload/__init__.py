@@ -1,0 +1,36 @@
+"""optax_offload: optimizer state in pinned host memory and on NVMe, streamed through a bounded window.
+
+Examples:
+  >>> import jax.numpy as jnp, optax
+  >>> import optax_offload as oo
+  >>> tx = oo.offload(optax.adamw(1e-3))
+  >>> state = tx.init({"w": jnp.zeros((128, 64))})
+  >>> oo.footprint(state)["host"]
+  65536
+"""
+
+from optax_offload._src.plan import LeafInfo
+from optax_offload._src.plan import Plan
+from optax_offload._src.plan import Tier
+from optax_offload._src.plan import format_bytes
+from optax_offload._src.plan import make_plan
+from optax_offload._src.plan import parse_bytes
+from optax_offload._src.state import footprint
+from optax_offload._src.state import to_inner
+from optax_offload._src.transform import OffloadState
+from optax_offload._src.transform import offload
+
+__version__ = "0.1.0"
+
+__all__ = (
+  "LeafInfo",
+  "OffloadState",
+  "Plan",
+  "Tier",
+  "footprint",
+  "format_bytes",
+  "make_plan",
+  "offload",
+  "parse_bytes",
+  "to_inner",
+)

@@ -1,0 +1,110 @@
+"""Splitting an inner optimizer state into shared leaves and per-parameter parts.
+
+Uses the placeholder trick of `optax.tree_utils.tree_map_params`: ``inner.init(placeholder)`` shows
+where the state holds parameter-shaped subtrees. Every other leaf (step count, injected
+hyper-parameters, ...) is *shared*: one copy, passed to every group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+from optax.tree_utils._state_utils import _ParamsPlaceholder
+
+PerLeaf = tuple[Any, ...]
+"""The state parts of one parameter leaf: one entry per parameter-shaped slot of the state."""
+
+
+def is_placeholder(x: Any) -> bool:
+  return isinstance(x, _ParamsPlaceholder)
+
+
+def placeholder() -> Any:
+  """The object `optax.tree_utils.tree_map_params` passes to ``init``."""
+  return _ParamsPlaceholder()
+
+
+class StateLayout:
+  """Where the per-parameter parts of an inner state are, for one parameter tree structure.
+
+  Args:
+    inner: the inner transformation.
+    params_treedef: the tree structure of the parameters.
+
+  Raises:
+    TypeError: when the inner state cannot be split per parameter.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+    >>> layout = StateLayout(optax.adam(1.0), jax.tree.structure(params))
+    >>> shared, per_leaf = layout.split(optax.adam(1.0).init(params))
+    >>> len(per_leaf), len(per_leaf[0])  # two leaves, each with mu and nu
+    (2, 2)
+  """
+
+  def __init__(self, inner: optax.GradientTransformation, params_treedef: Any):
+    try:
+      template = inner.init(placeholder())
+    except Exception as e:
+      raise TypeError(
+        "offload: the inner transformation's state cannot be split per parameter (its init failed on "
+        f"optax's params placeholder: {type(e).__name__}: {e}). Transformations whose state is not "
+        "a tree of per-parameter parts plus shared leaves cannot be offloaded."
+      ) from e
+    slots, self._treedef = jax.tree.flatten(template, is_leaf=is_placeholder)
+    self._param_slots = tuple(j for j, v in enumerate(slots) if is_placeholder(v))
+    self._num_slots = len(slots)
+    self.params_treedef = params_treedef
+    self.num_leaves = params_treedef.num_leaves
+
+  @property
+  def num_param_slots(self) -> int:
+    """How many parameter-shaped subtrees the state holds (e.g. 2 for Adam's mu and nu)."""
+    return len(self._param_slots)
+
+  def split(self, state: optax.OptState) -> tuple[list[Any], list[PerLeaf]]:
+    """Splits a full state into its shared leaves and one `PerLeaf` per parameter leaf."""
+    parts = self._treedef.flatten_up_to(state)
+    per_slot = [self.params_treedef.flatten_up_to(parts[j]) for j in self._param_slots]
+    shared = [None if j in self._param_slots else p for j, p in enumerate(parts)]
+    per_leaf = [tuple(slot[i] for slot in per_slot) for i in range(self.num_leaves)]
+    return shared, per_leaf
+
+  def merge(self, shared: Sequence[Any], per_leaf: Sequence[PerLeaf]) -> optax.OptState:
+    """Inverse of `split`."""
+    return self.view(shared, dict(enumerate(per_leaf)), range(self.num_leaves))
+
+  def view(
+    self, shared: Sequence[Any], per_leaf: Mapping[int, PerLeaf], group: Sequence[int]
+  ) -> optax.OptState:
+    """The state the inner transformation sees for a group: `None` at the other leaves."""
+    parts = list(shared)
+    for s, j in enumerate(self._param_slots):
+      slot = [per_leaf[i][s] if i in per_leaf else None for i in range(self.num_leaves)]
+      parts[j] = self.masked(slot, group)
+    return self._treedef.unflatten(parts)
+
+  def unview(
+    self, state: optax.OptState, group: Sequence[int]
+  ) -> tuple[list[Any], dict[int, PerLeaf]]:
+    """Inverse of `view`: the shared leaves and the group's `PerLeaf` parts."""
+    parts = self._treedef.flatten_up_to(state)
+    per_slot = [self.group_leaves(parts[j], group) for j in self._param_slots]
+    shared = [None if j in self._param_slots else p for j, p in enumerate(parts)]
+    return shared, {i: tuple(slot[n] for slot in per_slot) for n, i in enumerate(group)}
+
+  def masked(self, leaves: Sequence[Any], group: Sequence[int]) -> Any:
+    """A parameter-structured tree holding `leaves` at the group's positions and None elsewhere."""
+    members = set(group)
+    return self.params_treedef.unflatten(
+      [x if i in members else None for i, x in enumerate(leaves)]
+    )
+
+  def group_leaves(self, tree: Any, group: Sequence[int]) -> list[Any]:
+    """The group's leaves of a tree returned by `masked`-structured computations, in group order."""
+    return jax.tree.structure(self.masked([0] * self.num_leaves, group)).flatten_up_to(tree)

@@ -1,0 +1,85 @@
+"""Inspecting offloaded state: bytes per tier, and the plain inner state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from optax_offload._src.transform import OffloadState
+
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def _is_offload_state(x: Any) -> bool:
+  return isinstance(x, OffloadState)
+
+
+def footprint(state: Any) -> dict[str, int]:
+  """Bytes of a state per tier, as held by this process.
+
+  Works on an `OffloadState` or any tree containing one (an `optax.chain` state, `MultiSteps`, a Flax
+  optimizer's state). Sharded arrays count the shards this process holds; a replicated array counts
+  once per local device that holds a copy.
+
+  Args:
+    state: a concrete optimizer state.
+
+  Returns:
+    ``{"device": bytes, "host": bytes, "nvme": bytes}``.
+
+  Raises:
+    TypeError: when called on traced values (inside `jax.jit`).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_offload as oo
+    >>> state = oo.offload(optax.sgd(0.1, momentum=0.9)).init({"w": jnp.zeros((100, 100))})
+    >>> oo.footprint(state)
+    {'device': 4, 'host': 40000, 'nvme': 0}
+  """
+  totals = {"device": 0, "host": 0, "nvme": 0}
+  for leaf in jax.tree.leaves(state):
+    if isinstance(leaf, jax.core.Tracer):
+      raise TypeError("footprint needs a concrete state; call it outside jax.jit.")
+    if not isinstance(leaf, jax.Array):
+      continue
+    nbytes = sum(shard.data.nbytes for shard in leaf.addressable_shards)
+    totals["host" if leaf.sharding.memory_kind in _HOST_KINDS else "device"] += nbytes
+  return totals
+
+
+def to_inner(state: Any, *, memory_kind: str | None = None) -> Any:
+  """The plain inner optimizer state of an offloaded state.
+
+  Every `OffloadState` in the tree is replaced by its inner state, so the state of
+  ``optax.chain(clip, offload(adamw))`` becomes a state of ``optax.chain(clip, adamw)``.
+
+  Args:
+    state: an `OffloadState` or a tree containing some.
+    memory_kind: None keeps each array where it is; ``"device"`` moves all to device memory (to
+      continue with the plain optimizer), ``"pinned_host"`` all to host memory.
+
+  Returns:
+    The plain state.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_offload as oo
+    >>> params = {"w": jnp.ones((100, 100))}
+    >>> state = oo.offload(optax.adam(0.1)).init(params)
+    >>> plain = oo.to_inner(state, memory_kind="device")
+    >>> plain[0].mu["w"].sharding.memory_kind
+    'device'
+  """
+
+  def unwrap(x):
+    return x.inner if _is_offload_state(x) else x
+
+  plain = jax.tree.map(unwrap, state, is_leaf=_is_offload_state)
+  if memory_kind is None:
+    return plain
+  return jax.tree.map(
+    lambda x: (
+      jax.device_put(x, x.sharding.with_memory_kind(memory_kind)) if isinstance(x, jax.Array) else x
+    ),
+    plain,
+  )

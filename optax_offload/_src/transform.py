@@ -1,0 +1,365 @@
+"""`offload`: an optax transformation whose inner state lives off the device, updated in a window."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax._src.base import NO_PARAMS_MSG
+
+from optax_offload._src import layout as layout_lib
+from optax_offload._src import plan as plan_lib
+from optax_offload._src import separable
+
+logger = logging.getLogger(__name__)
+
+HOST = jax.memory.Space.Host
+DEVICE = jax.memory.Space.Device
+_UPDATE_ON = ("device", "host")
+
+
+class OffloadState(NamedTuple):
+  """State of `offload`: the inner state, with large per-parameter parts in host memory."""
+
+  inner: optax.OptState
+  nvme_generation: jax.Array  # int32 scalar: the NVMe generation holding NVMe-tier parts; -1: none
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+  """Everything `offload` derives from one parameter tree (cached per structure and shapes)."""
+
+  layout: layout_lib.StateLayout
+  paths: tuple[str, ...]
+  leaves: tuple[plan_lib.LeafInfo, ...]
+  plan: plan_lib.Plan
+  part_shapes: tuple[list[tuple[int, ...]], ...]  # shapes of each leaf's state parts
+
+
+def _default_window_bytes() -> int:
+  try:
+    stats = jax.local_devices()[0].memory_stats()
+  except Exception:  # some backends do not implement memory_stats
+    stats = None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"] * plan_lib.DEFAULT_WINDOW_FRACTION)
+  return plan_lib.FALLBACK_WINDOW_BYTES
+
+
+def _state_bytes(part: Any, shape: tuple[int, ...], sharding: Any) -> int:
+  """Bytes per device of one leaf's state parts; parts shaped like the param share its sharding."""
+  total = 0
+  for x in jax.tree.leaves(part):
+    shard = x.shape
+    if sharding is not None and tuple(x.shape) == tuple(shape):
+      shard = sharding.shard_shape(tuple(shape))
+    total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+def _host_sharding(sharding: Any, part_shape: tuple[int, ...], param_shape: tuple[int, ...]):
+  """Sharding of an offloaded state part: the param's, in pinned host memory."""
+  if tuple(part_shape) != tuple(param_shape) and isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  return sharding.with_memory_kind("pinned_host")
+
+
+def _is_host(x: Any) -> bool:
+  return getattr(jax.typeof(x), "memory_space", None) == HOST
+
+
+def _put(part: Any, space: jax.memory.Space) -> Any:
+  return jax.tree.map(lambda x: jax.device_put(x, space), part)
+
+
+def _leaf_path(path) -> str:
+  return jax.tree_util.keystr(path) or "<root>"
+
+
+def offload(
+  inner: optax.GradientTransformation,
+  *,
+  host_limit: int | str | None = None,
+  nvme_dir: str | None = None,
+  update_on: str = "device",
+  master_dtype: Any = None,
+  min_size: int = 4096,
+  window_bytes: int | str | None = None,
+  check_separable: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  """Keeps the state of a separable optax transformation in pinned host memory.
+
+  The large per-parameter parts of the inner state (Adam's moments, ...) live in ``pinned_host``
+  memory between steps. ``update`` runs the inner transformation group by group: each group's state
+  is brought to the device, updated and sent back, with the next group prefetched while the current
+  one computes, so at most ``window_bytes`` of offloaded state is on the device at once. Shared
+  leaves (step count, injected hyper-parameters) and the state of leaves with fewer than
+  ``min_size`` elements stay on the device.
+
+  Args:
+    inner: a separable optax transformation (a leaf's update depends only on its own gradient, state
+      and parameter and on shared scalars). Put leaf-mixing transformations such as
+      ``optax.clip_by_global_norm`` outside: ``optax.chain(optax.clip_by_global_norm(1.0),
+      offload(optax.adamw(1e-3)))``.
+    host_limit: pinned-host budget for the offloaded state, in bytes or a string like ``"64GiB"``;
+      None for no limit.
+    nvme_dir: directory for state beyond ``host_limit`` (not implemented yet).
+    update_on: ``"device"`` streams state groups to the accelerator (``"host"`` is not implemented
+      yet).
+    master_dtype: fp32 master weights for low-precision params (not implemented yet).
+    min_size: leaves with fewer elements keep their state on the device.
+    window_bytes: most offloaded-state bytes on the device at once during ``update``; each group holds
+      at most half of it (one group computes while the next is prefetched). A leaf larger than that
+      is a group of its own. Default: 10% of the device's memory when the backend reports it, else
+      1 GiB.
+    check_separable: at ``init``, check on a miniature of the parameter tree that ``inner`` does not
+      mix leaves, and refuse it otherwise.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`. Its state is an `OffloadState`.
+
+  Raises:
+    ValueError: for a bad argument.
+    NotImplementedError: for a feature that is not implemented yet.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import optax_offload as oo
+    >>> params = {"w": jnp.ones((64, 128)), "b": jnp.zeros(128)}
+    >>> tx = oo.offload(optax.adam(1e-2))
+    >>> state = tx.init(params)
+    >>> state.inner[0].mu["w"].sharding.memory_kind, state.inner[0].mu["b"].sharding.memory_kind
+    ('pinned_host', 'device')
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = jax.jit(tx.update)(grads, state, params)
+    >>> oo.footprint(state)
+    {'device': 1032, 'host': 65536, 'nvme': 0}
+  """
+  if update_on not in _UPDATE_ON:
+    raise ValueError(f"update_on must be one of {_UPDATE_ON}, got {update_on!r}.")
+  if update_on == "host":
+    raise NotImplementedError(
+      "update_on='host' (the host-side optimizer update, ZeRO-Offload style) is not implemented "
+      "yet; use update_on='device'."
+    )
+  if master_dtype is not None:
+    raise NotImplementedError(
+      "master_dtype (fp32 master weights kept offloaded for low-precision params) is not "
+      "implemented yet; leave master_dtype=None."
+    )
+  if nvme_dir is not None:
+    raise NotImplementedError(
+      "nvme_dir (the NVMe tier through TensorStore) is not implemented yet; leave nvme_dir=None."
+    )
+  if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+    raise ValueError(f"min_size must be an int >= 0 (number of elements), got {min_size!r}.")
+  host_limit_bytes = plan_lib.parse_bytes(host_limit, "host_limit")
+  window = plan_lib.parse_bytes(window_bytes, "window_bytes")
+  if window == 0:
+    raise ValueError("window_bytes must be > 0; pass None for the default.")
+
+  inner = optax.with_extra_args_support(inner)
+  setups: dict[Any, _Setup] = {}
+
+  def get_setup(treedef, paths, avals, shardings) -> _Setup:
+    key = (treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in avals))
+    if key in setups:
+      return setups[key]
+    layout = layout_lib.StateLayout(inner, treedef)
+    abstract_state = jax.eval_shape(inner.init, treedef.unflatten(list(avals)))
+    _, per_leaf = layout.split(abstract_state)
+    leaves = tuple(
+      plan_lib.LeafInfo(p, math.prod(a.shape), _state_bytes(part, a.shape, s))
+      for p, a, part, s in zip(paths, avals, per_leaf, shardings)
+    )
+    the_plan = plan_lib.make_plan(
+      leaves,
+      min_size=min_size,
+      window_bytes=window if window is not None else _default_window_bytes(),
+      host_limit=host_limit_bytes,
+      nvme=False,
+    )
+    if check_separable:
+      separable.check_separable(inner, layout, paths, avals)
+    part_shapes = tuple([tuple(x.shape) for x in jax.tree.leaves(part)] for part in per_leaf)
+    setups[key] = _Setup(layout, tuple(paths), leaves, the_plan, part_shapes)
+    logger.info("offload plan:\n%s", plan_lib.describe(the_plan, leaves))
+    return setups[key]
+
+  def init_fn(params: optax.Params) -> OffloadState:
+    if layout_lib.is_placeholder(params):  # optax.tree_utils.tree_map_params asks for the layout
+      return OffloadState(inner.init(params), jnp.asarray(-1, jnp.int32))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = [_leaf_path(p) for p, _ in flat]
+    values = [v for _, v in flat]
+    avals = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in values]
+    shardings = [getattr(v, "sharding", None) for v in values]
+    setup = get_setup(treedef, paths, avals, shardings)
+
+    def place(*concrete):
+      it = iter(concrete)
+      leaves = [
+        jnp.zeros(v.shape, v.dtype) if isinstance(v, jax.ShapeDtypeStruct) else next(it)
+        for v in values
+      ]
+      shared, per_leaf = setup.layout.split(inner.init(treedef.unflatten(leaves)))
+      per_leaf = [
+        _put(part, HOST) if tier is plan_lib.Tier.HOST else part
+        for part, tier in zip(per_leaf, setup.plan.tiers)
+      ]
+      return OffloadState(setup.layout.merge(shared, per_leaf), jnp.asarray(-1, jnp.int32))
+
+    concrete = [v for v in values if not isinstance(v, jax.ShapeDtypeStruct)]
+    if any(isinstance(v, jax.core.Tracer) for v in concrete):
+      return place(*concrete)
+    out_shardings = _init_out_shardings(setup, jax.eval_shape(place, *concrete), avals, shardings)
+    return jax.jit(place, out_shardings=out_shardings)(*concrete)
+
+  def update_fn(
+    updates: optax.Updates,
+    state: OffloadState,
+    params: optax.Params | None = None,
+    **extra_args,
+  ) -> tuple[optax.Updates, OffloadState]:
+    if not isinstance(state, OffloadState):
+      raise TypeError(
+        f"offload's update expects the OffloadState returned by its init, got {type(state).__name__}."
+      )
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    paths = [_leaf_path(p) for p, _ in flat]
+    grads = [g for _, g in flat]
+    param_leaves = None
+    if params is not None:
+      param_leaves = _matching_leaves(params, treedef, paths, "params")
+    dtypes = [jnp.result_type(p) for p in (param_leaves or grads)]
+    avals = [jax.ShapeDtypeStruct(jnp.shape(g), d) for g, d in zip(grads, dtypes)]
+    setup = get_setup(treedef, paths, avals, [None] * len(grads))
+    shared, per_leaf = _split_checked(setup, state.inner, paths)
+    if not grads:
+      new_updates, new_inner = inner.update(updates, state.inner, params, **extra_args)
+      return new_updates, OffloadState(new_inner, state.nvme_generation)
+    host = [any(_is_host(x) for x in jax.tree.leaves(part)) for part in per_leaf]
+    try:
+      new_updates, new_shared, new_per_leaf = _windowed_update(
+        inner, setup, host, grads, shared, per_leaf, param_leaves, extra_args
+      )
+    except ValueError as e:
+      if NO_PARAMS_MSG in str(e) and params is None:
+        raise ValueError(
+          f"{NO_PARAMS_MSG} (offload: the inner transformation needs params; call "
+          "tx.update(grads, state, params).)"
+        ) from e
+      raise
+    return (
+      treedef.unflatten(new_updates),
+      OffloadState(setup.layout.merge(new_shared, new_per_leaf), state.nvme_generation),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _init_out_shardings(setup: _Setup, abstract: OffloadState, avals, shardings) -> Any:
+  """out_shardings for init: offloaded parts take their param's sharding in pinned host memory."""
+  shared, per_leaf = setup.layout.split(abstract.inner)
+  shared = [jax.tree.map(lambda _: None, s) for s in shared]
+  placed = []
+  for part, tier, aval, sharding in zip(per_leaf, setup.plan.tiers, avals, shardings):
+    if tier is plan_lib.Tier.HOST and sharding is not None:
+      placed.append(
+        jax.tree.map(lambda x, s=sharding, a=aval: _host_sharding(s, x.shape, a.shape), part)
+      )
+    else:
+      placed.append(jax.tree.map(lambda _: None, part))
+  return OffloadState(setup.layout.merge(shared, placed), None)
+
+
+def _matching_leaves(tree: Any, treedef: Any, paths: Sequence[str], name: str) -> list[Any]:
+  flat, other = jax.tree_util.tree_flatten_with_path(tree)
+  if other != treedef:
+    other_paths = [_leaf_path(p) for p, _ in flat]
+    raise ValueError(
+      f"offload: {name} and the gradients have different tree structures ("
+      f"{_path_difference(paths, other_paths, 'gradients', name)}). Pass {name} with the same "
+      "structure as the gradients."
+    )
+  return [v for _, v in flat]
+
+
+def _path_difference(a: Sequence[str], b: Sequence[str], a_name: str, b_name: str) -> str:
+  only_a = [p for p in a if p not in set(b)][:5]
+  only_b = [p for p in b if p not in set(a)][:5]
+  parts = []
+  if only_a:
+    parts.append(f"only in {a_name}: {', '.join(only_a)}")
+  if only_b:
+    parts.append(f"only in {b_name}: {', '.join(only_b)}")
+  return "; ".join(parts) or "same leaves, different container types"
+
+
+def _split_checked(setup: _Setup, inner_state, paths):
+  """Splits the state, with errors that name the leaf when it does not match the gradients."""
+  try:
+    shared, per_leaf = setup.layout.split(inner_state)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      "offload: the gradients' tree structure does not match the tree the optimizer state was "
+      f"initialised with ({e}). Pass gradients with the same structure as the params given to "
+      "tx.init."
+    ) from None
+  for path, want_shapes, got in zip(paths, setup.part_shapes, per_leaf):
+    got_shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(got)]
+    if want_shapes != got_shapes:
+      raise ValueError(
+        f"offload: gradient leaf {path} does not match the optimizer state: its state has shapes "
+        f"{got_shapes} but a gradient of this shape needs {want_shapes}. Pass gradients with the "
+        "same shapes as the params given to tx.init."
+      )
+  return shared, per_leaf
+
+
+def _windowed_update(inner, setup: _Setup, host, grads, shared, per_leaf, params, extra_args):
+  """Runs the inner update group by group through the device window.
+
+  Group k+1's offloaded state is brought in (prefetch) while group k computes, but only after
+  group k-1's new state has gone back to the host: an optimization barrier ties the two, so XLA
+  cannot hoist every transfer to the start of the program. At most two groups' offloaded state is
+  on the device at once.
+  """
+  layout, groups = setup.layout, setup.plan.groups
+
+  def bring_in(group, parts):
+    return {i: _put(parts[i], DEVICE) if host[i] else parts[i] for i in group}
+
+  new_shared, new_per_leaf, new_updates = None, {}, [None] * layout.num_leaves
+  current = bring_in(groups[0], per_leaf)
+  sent_back: dict[int, Any] = {}  # previous group's new host parts
+  for k, group in enumerate(groups):
+    upcoming = None
+    if k + 1 < len(groups):
+      nxt = {i: per_leaf[i] for i in groups[k + 1]}
+      if sent_back:
+        nxt, sent_back = jax.lax.optimization_barrier((nxt, sent_back))
+        new_per_leaf.update(sent_back)
+      upcoming = bring_in(groups[k + 1], nxt)
+    u, s = inner.update(
+      layout.masked(grads, group),
+      layout.view(shared, current, group),
+      None if params is None else layout.masked(params, group),
+      **extra_args,
+    )
+    group_shared, group_parts = layout.unview(s, group)
+    new_shared = group_shared if new_shared is None else new_shared
+    for i, leaf in zip(group, layout.group_leaves(u, group)):
+      new_updates[i] = leaf
+    sent_back = {i: _put(part, HOST) for i, part in group_parts.items() if host[i]}
+    new_per_leaf.update(group_parts)
+    new_per_leaf.update(sent_back)
+    current = upcoming
+  return new_updates, new_shared, [new_per_leaf[i] for i in range(layout.num_leaves)]

@@ -1,0 +1,91 @@
+"""Shared helpers: a pytree of mixed shapes and dtypes, gradient sequences, training loops."""
+
+import os
+
+# Four CPU devices for the sharding tests; must be set before jax initialises its backend.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def make_params(seed: int = 0) -> dict:
+  """Mixed shapes and dtypes: bf16 and fp32 leaves, leaves above and below min_size=4096."""
+  rng = np.random.default_rng(seed)
+
+  def leaf(shape, dtype=jnp.float32):
+    return jnp.asarray(rng.normal(size=shape) * 0.1, dtype)
+
+  return {
+    "embed": leaf((256, 64), jnp.bfloat16),
+    "dense": {"kernel": leaf((64, 128)), "bias": leaf((128,))},
+    "conv": leaf((3, 3, 16, 32)),
+    "big": leaf((300, 200)),
+    "scale": leaf((7,)),
+  }
+
+
+def make_grads(params, step: int, seed: int = 1):
+  """Deterministic gradients for a step, in each leaf's dtype."""
+  rng = np.random.default_rng(seed * 1000 + step)
+  return jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+
+
+def train(tx, params, steps: int, *, jit: bool = True, donate: bool = False, grads_seed: int = 1):
+  """Runs `steps` updates with deterministic gradients; returns (params, state)."""
+  state = tx.init(params)
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  if jit:
+    step = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+  for t in range(steps):
+    params, state = step(params, state, make_grads(params, t, grads_seed))
+  return params, state
+
+
+def bits_equal(a, b) -> bool:
+  """True when two trees have the same structure and bit-identical leaves."""
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  if jax.tree.structure(a) != jax.tree.structure(b) or len(la) != len(lb):
+    return False
+  return all(
+    np.asarray(x).dtype == np.asarray(y).dtype
+    and np.array_equal(
+      np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8)
+    )
+    for x, y in zip(la, lb)
+  )
+
+
+RTOL = 1e-5
+"""Numerics-rule tolerance against plain optax for grouped updates: per leaf, relative to the leaf's
+largest magnitude (measured: at most 2e-7 after 20 steps of adam/adamw/nadamw/adabelief/lamb)."""
+
+
+def assert_close(ref, got, rtol: float = RTOL):
+  """Per leaf: max |ref - got| <= rtol * max |ref| (differences near zero are ulps of the scale).
+
+  A low-precision leaf may differ by one ulp of its own dtype at that scale: its fp32 update,
+  different by ulps, can round to the neighbouring bf16 value.
+  """
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ref), jax.tree.leaves(got)):
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      rtol = max(rtol, float(jnp.finfo(a.dtype).eps))
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    scale = max(float(np.max(np.abs(a), initial=0.0)), 1e-30)
+    err = float(np.max(np.abs(a - b), initial=0.0))
+    assert err <= rtol * scale, (
+      f"{jax.tree_util.keystr(path)}: max diff {err:.3g} vs scale {scale:.3g}"
+    )
+
+
+@pytest.fixture
+def params():
+  return make_params()

@@ -1,0 +1,454 @@
+"""Tests of `offload`: numerics against plain optax, placement, composition, donation, bad input."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+from conftest import bits_equal
+from conftest import make_grads
+from conftest import make_params
+from conftest import train
+
+import optax_offload as oo
+
+# (name, factory, bit-exact when grouped). With one group every optimizer is bit-exact. Grouped,
+# the Adam family is not: XLA fuses the scalar bias correction (`1 - b**count`, a `power`) into each
+# leaf's loop or computes it once depending on the group's shape, and the fused `power` is
+# approximated per element, so results differ by ulps (<= 2e-7 of each leaf's scale after 20 steps).
+_OPTIMIZERS_UNDER_TEST = (
+  ("adam", lambda: optax.adam(1e-2), False),
+  ("adamw", lambda: optax.adamw(1e-2, weight_decay=1e-2), False),
+  ("nadamw", lambda: optax.nadamw(1e-2), False),
+  ("adabelief", lambda: optax.adabelief(1e-2), False),
+  ("lamb", lambda: optax.lamb(1e-2), False),
+  ("lion", lambda: optax.lion(1e-3), True),
+  ("sgd_momentum", lambda: optax.sgd(1e-2, momentum=0.9), True),
+  ("rmsprop", lambda: optax.rmsprop(1e-2), True),
+  ("adagrad", lambda: optax.adagrad(1e-2), True),
+  ("adafactor", lambda: optax.adafactor(1e-2), True),
+  ("lars", lambda: optax.lars(1e-2), True),
+  ("sm3", lambda: optax.sm3(1e-2), True),
+)
+
+SMALL_WINDOW = 100_000  # several groups for make_params()
+STEPS = 20
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize(
+  "name,make,exact", _OPTIMIZERS_UNDER_TEST, ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_matches_plain_optax(name, make, exact, jit):
+  params = make_params()
+  steps = STEPS if jit else 8  # eager is slow; the grouping logic is the same
+  ref_params, ref_state = train(make(), params, steps, jit=jit)
+  # One group (window larger than the state): bit for bit, whatever the optimizer.
+  one_params, one_state = train(oo.offload(make(), window_bytes="1GiB"), params, steps, jit=jit)
+  assert bits_equal(ref_params, one_params), name
+  assert bits_equal(ref_state, oo.to_inner(one_state, memory_kind="device")), name
+  # Several groups: bit for bit where XLA's arithmetic does not depend on the grouping.
+  tx = oo.offload(make(), window_bytes=SMALL_WINDOW)
+  got_params, got_state = train(tx, params, steps, jit=jit)
+  if exact:
+    assert bits_equal(ref_params, got_params), name
+    assert bits_equal(ref_state, oo.to_inner(got_state, memory_kind="device")), name
+  else:
+    assert_close(ref_params, got_params)
+    assert_close(ref_state, oo.to_inner(got_state, memory_kind="device"))
+
+
+def test_groups_are_several():
+  leaves = [oo.LeafInfo("x", 10_000, 80_000)] * 5
+  plan = oo.make_plan(leaves, min_size=4096, window_bytes=SMALL_WINDOW)
+  assert len(plan.groups) == 5
+
+
+def test_placement_and_types_are_stable(params):
+  tx = oo.offload(optax.adamw(1e-2), window_bytes=SMALL_WINDOW)
+  state = tx.init(params)
+  types = jax.tree.map(jax.typeof, state)
+
+  def check(state):
+    for name in ("mu", "nu"):
+      moments = getattr(state.inner[0], name)
+      for key in ("embed", "conv", "big"):
+        assert moments[key].sharding.memory_kind == "pinned_host", (name, key)
+      assert moments["dense"]["kernel"].sharding.memory_kind == "pinned_host"
+      assert moments["dense"]["bias"].sharding.memory_kind == "device"  # 128 < min_size
+      assert moments["scale"].sharding.memory_kind == "device"
+    assert state.inner[0].count.sharding.memory_kind == "device"
+
+  check(state)
+  step = jax.jit(tx.update)
+  for t in range(3):
+    _, state = step(make_grads(params, t), state, params)
+    check(state)
+    assert jax.tree.map(jax.typeof, state) == types
+  _, state = tx.update(make_grads(params, 3), state, params)  # eager too
+  check(state)
+  assert jax.tree.map(jax.typeof, state) == types
+
+
+def test_init_on_shape_dtype_struct(params):
+  tx = oo.offload(optax.adam(1e-2))
+  abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+  state = tx.init(abstract)
+  assert bits_equal(state, tx.init(params))
+  assert state.inner[0].mu["big"].sharding.memory_kind == "pinned_host"
+  assert jax.tree.map(jax.typeof, state) == jax.tree.map(jax.typeof, tx.init(params))
+
+
+def test_footprint_counts_tiers(params):
+  state = oo.offload(optax.adam(1e-2)).init(params)
+  fp = oo.footprint(state)
+  host = sum(2 * p.nbytes for p in jax.tree.leaves(params) if p.size >= 4096)
+  device = sum(2 * p.nbytes for p in jax.tree.leaves(params) if p.size < 4096) + 4 + 4
+  assert fp == {"device": device, "host": host, "nvme": 0}
+  with pytest.raises(TypeError, match="outside jax.jit"):
+    jax.jit(oo.footprint)(state)
+
+
+def test_min_size_keeps_everything_on_device(params):
+  state = oo.offload(optax.adam(1e-2), min_size=10**9).init(params)
+  assert oo.footprint(state)["host"] == 0
+
+
+# --- composition -------------------------------------------------------------------------------
+
+
+def _compare_setups(plain, offloaded, steps=12, params=None, exact=False):
+  params = make_params() if params is None else params
+  ref_params, ref_state = train(plain, params, steps)
+  got_params, got_state = train(offloaded, params, steps)
+  check = bits_equal if exact else None
+  if exact:
+    assert check(ref_params, got_params)
+    assert check(ref_state, oo.to_inner(got_state, memory_kind="device"))
+  else:
+    assert_close(ref_params, got_params)
+    assert_close(ref_state, oo.to_inner(got_state, memory_kind="device"))
+  return got_state
+
+
+def test_chain_with_global_norm_clipping_outside():
+  plain = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  off = optax.chain(
+    optax.clip_by_global_norm(1.0), oo.offload(optax.adamw(1e-2), window_bytes=SMALL_WINDOW)
+  )
+  _compare_setups(plain, off)
+  # One group: bit for bit.
+  off1 = optax.chain(optax.clip_by_global_norm(1.0), oo.offload(optax.adamw(1e-2)))
+  _compare_setups(plain, off1, exact=True)
+
+
+def test_inject_hyperparams_with_learning_rate_changed_mid_run(params):
+  def make():
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)
+
+  txs = [make(), oo.offload(make(), window_bytes=SMALL_WINDOW)]
+  results = []
+  for tx in txs:
+    p, state = params, tx.init(params)
+    step = jax.jit(lambda p, s, g, tx=tx: tx.update(g, s, p))
+    for t in range(10):
+      if t == 5:  # change the learning rate in the (shared, on-device) hyper-parameters
+        inner = state.inner if isinstance(state, oo.OffloadState) else state
+        inner.hyperparams["learning_rate"] = jnp.asarray(3e-3)
+      u, state = step(p, state, make_grads(params, t))
+      p = optax.apply_updates(p, u)
+    results.append((p, state))
+  assert_close(results[0][0], results[1][0])
+  off_state = results[1][1]
+  assert float(off_state.inner.hyperparams["learning_rate"]) == pytest.approx(3e-3)
+  assert off_state.inner.hyperparams["learning_rate"].sharding.memory_kind == "device"
+  assert off_state.inner.inner_state[0].mu["big"].sharding.memory_kind == "pinned_host"
+
+
+def test_learning_rate_schedule():
+  sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 20)
+  _compare_setups(optax.adamw(sched), oo.offload(optax.adamw(sched), window_bytes=SMALL_WINDOW))
+
+
+def test_multisteps_around_offload():
+  plain = optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=4)
+  off = optax.MultiSteps(
+    oo.offload(optax.adamw(1e-2), window_bytes=SMALL_WINDOW), every_k_schedule=4
+  )
+  state = _compare_setups(plain, off, steps=10)
+  assert state.inner_opt_state.inner[0].mu["big"].sharding.memory_kind == "pinned_host"
+
+
+def test_multi_transform_with_offloaded_branch():
+  def labels(p):
+    return jax.tree.map(lambda x: "adam" if x.ndim > 1 else "sgd", p)
+
+  plain = optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2)}, labels)
+  off = optax.multi_transform(
+    {"adam": oo.offload(optax.adam(1e-2), window_bytes=SMALL_WINDOW), "sgd": optax.sgd(1e-2)},
+    labels,
+  )
+  _compare_setups(plain, off)
+
+
+def test_tree_map_params_over_the_state(params):
+  tx = oo.offload(optax.adam(1e-2))
+  state = tx.init(params)
+  doubled = optax.tree_map_params(tx, lambda v: v + 1, state)
+  assert float(doubled.inner[0].mu["big"][0, 0]) == 1.0
+  assert int(doubled.inner[0].count) == 0  # not a param-shaped leaf
+
+
+def test_flax_nnx_optimizer():
+  from flax import nnx
+
+  def run(tx):
+    model = nnx.Linear(128, 64, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, x):
+      loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+      opt.update(model, grads)
+      return loss
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 128)), jnp.float32)
+    losses = [float(step(model, opt, x)) for _ in range(5)]
+    return losses, nnx.state(model, nnx.Param), opt
+
+  ref_losses, ref_params, _ = run(optax.adamw(1e-2))
+  losses, got_params, opt = run(oo.offload(optax.adamw(1e-2)))
+  assert losses == ref_losses
+  assert bits_equal(ref_params, got_params)
+  assert oo.footprint(nnx.state(opt))["host"] == 2 * 128 * 64 * 4
+
+
+def test_flax_linen_train_state():
+  from flax import linen as nn
+  from flax.training import train_state
+
+  model = nn.Dense(64)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 128)), jnp.float32)
+  variables = model.init(jax.random.key(0), x)
+
+  def run(tx):
+    state = train_state.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
+
+    @jax.jit
+    def step(state):
+      grads = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2))(state.params)
+      return state.apply_gradients(grads=grads)
+
+    for _ in range(5):
+      state = step(state)
+    return state
+
+  ref = run(optax.adamw(1e-2))
+  got = run(oo.offload(optax.adamw(1e-2)))
+  assert bits_equal(ref.params, got.params)
+  assert got.opt_state.inner[0].mu["kernel"].sharding.memory_kind == "pinned_host"
+
+
+# --- donation ----------------------------------------------------------------------------------
+
+
+def test_donated_state_does_not_grow_live_arrays():
+  params = make_params()
+  tx = oo.offload(optax.adamw(1e-2), window_bytes=SMALL_WINDOW)
+  state = tx.init(params)
+  grads = make_grads(params, 0)
+
+  @jax.jit
+  def _step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(_step, donate_argnums=(0, 1))
+  params, state = step(params, state, grads)
+  jax.block_until_ready(state)
+  baseline = len(jax.live_arrays())
+  for _ in range(50):
+    params, state = step(params, state, grads)
+  jax.block_until_ready(state)
+  assert len(jax.live_arrays()) <= baseline
+  assert state.inner[0].mu["big"].sharding.memory_kind == "pinned_host"
+
+
+# --- sharding ----------------------------------------------------------------------------------
+
+
+def test_sharded_params_keep_their_sharding():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+  params = make_params()
+  specs = {
+    "embed": P("fsdp"),
+    "dense": {"kernel": P(None, "fsdp"), "bias": P()},
+    "conv": P(),
+    "big": P("fsdp"),
+    "scale": P(),
+  }
+  params = jax.tree.map(lambda p, s: jax.device_put(p, NamedSharding(mesh, s)), params, specs)
+  tx = oo.offload(optax.adam(1e-2), window_bytes=SMALL_WINDOW)
+  state = tx.init(params)
+  types = jax.tree.map(jax.typeof, state)
+
+  def same_sharding(x, p):
+    return x.sharding.memory_kind == "pinned_host" and x.sharding.is_equivalent_to(
+      p.sharding.with_memory_kind("pinned_host"), p.ndim
+    )
+
+  mu = state.inner[0].mu
+  assert same_sharding(mu["big"], params["big"])
+  assert same_sharding(mu["dense"]["kernel"], params["dense"]["kernel"])
+  ref_params, _ = train(optax.adam(1e-2), params, 5)
+  got_params, got_state = train(tx, params, 5)
+  assert_close(ref_params, got_params)
+  assert same_sharding(got_state.inner[0].mu["big"], params["big"])
+  assert same_sharding(got_state.inner[0].nu["embed"], params["embed"])
+  assert jax.tree.map(jax.typeof, got_state) == types
+  assert got_params["big"].sharding.is_equivalent_to(params["big"].sharding, 2)
+
+
+# --- the window, as the GPU program runs it ------------------------------------------------------
+
+
+def _placements(mlir: str):
+  """(ssa result, operand, direction, bytes) of each annotate_device_placement, in program order."""
+  pat = re.compile(
+    r"(%\S+) = stablehlo\.custom_call @annotate_device_placement\((%[^)]+)\).*?"
+    r'_xla_buffer_placement = "(\w+)".*?-> tensor<([0-9x]+)x(f32|bf16)>'
+  )
+  out = []
+  for m in pat.finditer(mlir):
+    n = int(np.prod([int(d) for d in m.group(4).split("x")]))
+    out.append((m.group(1), m.group(2), m.group(3), n * (4 if m.group(5) == "f32" else 2)))
+  return out
+
+
+def test_gpu_program_streams_groups_through_a_bounded_window():
+  # Eight leaves of 64 KiB of Adam state each; a 200 kB window holds one group of 1 leaf plus the
+  # prefetched next one.
+  params = {f"w{i}": jnp.full((64, 128), 0.1, jnp.float32) for i in range(8)}
+  window = 200_000
+  tx = oo.offload(optax.adam(1e-2), window_bytes=window)
+  state = tx.init(params)
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  exported = jax.export.export(jax.jit(step, donate_argnums=(0, 1)), platforms=["cuda"])(
+    params, state, params
+  )
+  mlir = exported.mlir_module()
+  moves = _placements(mlir)
+  ins = [m for m in moves if m[2] == "device"]
+  outs = [m for m in moves if m[2] == "pinned_host"]
+  assert len(ins) == len(outs) == 16  # one in and one out per state leaf (mu, nu of 8 leaves)
+  resident = peak = 0
+  for _, _, direction, nbytes in moves:
+    resident += nbytes if direction == "device" else -nbytes
+    peak = max(peak, resident)
+  assert peak <= window
+  # The order is enforced by data dependencies, not just program order: from the third group on,
+  # every transfer in reads an optimization_barrier result that also carries the transfers out of
+  # the group before the previous one.
+  barriers = {
+    m.group(1): m.group(2)
+    for m in re.finditer(r"(%\d+):\d+ = stablehlo\.optimization_barrier ([^:]+):", mlir)
+  }
+  assert len(barriers) == 6  # one before bringing in each of groups 2..7
+  for k in range(2, 8):
+    operand = ins[2 * k][1]
+    barrier = operand.split("#")[0]
+    assert barrier in barriers, f"group {k} is brought in without a barrier"
+    carried = barriers[barrier]
+    assert outs[2 * (k - 2)][0] in carried and outs[2 * (k - 2) + 1][0] in carried
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def test_grads_with_a_different_structure_are_refused(params):
+  tx = oo.offload(optax.adam(1e-2))
+  state = tx.init(params)
+  grads = make_grads(params, 0)
+  del grads["scale"]
+  with pytest.raises(ValueError, match=r"\['scale'\]"):
+    tx.update(grads, state, params)
+  with pytest.raises(ValueError, match="tree structure"):
+    tx.update(grads, state)
+
+
+def test_grads_with_other_shapes_are_refused(params):
+  tx = oo.offload(optax.adam(1e-2))
+  state = tx.init(params)
+  grads = make_grads(params, 0)
+  grads["big"] = jnp.zeros((200, 300))
+  with pytest.raises(ValueError, match=r"\['big'\].*same shapes"):
+    tx.update(grads, state)
+
+
+def test_missing_params_are_reported(params):
+  tx = oo.offload(optax.adamw(1e-2))
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="needs params"):
+    tx.update(make_grads(params, 0), state)
+
+
+def test_non_separable_inner_is_refused(params):
+  tx = oo.offload(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
+  with pytest.raises(ValueError, match=r"not separable.*clip_by_global_norm\(1.0\), oo.offload"):
+    tx.init(params)
+
+
+def test_state_that_does_not_split_per_parameter_is_refused(params):
+  by_name = optax.GradientTransformation(
+    init=lambda p: {"kernel_scale": jnp.ones_like(p["dense"]["kernel"])},
+    update=lambda u, s, p=None: (u, s),
+  )
+  with pytest.raises(TypeError, match="cannot be split per parameter"):
+    oo.offload(by_name).init(params)
+
+
+@pytest.mark.parametrize(
+  "kwargs,error,match",
+  [
+    ({"host_limit": -1}, ValueError, "host_limit must be >= 0"),
+    ({"host_limit": "lots"}, ValueError, "Could not parse host_limit"),
+    ({"window_bytes": "12 parsecs"}, ValueError, "Could not parse window_bytes"),
+    ({"window_bytes": -5}, ValueError, "window_bytes must be >= 0"),
+    ({"window_bytes": 0}, ValueError, "window_bytes must be > 0"),
+    ({"window_bytes": 1.5}, TypeError, "window_bytes must be an int"),
+    ({"min_size": -1}, ValueError, "min_size"),
+    ({"update_on": "gpu"}, ValueError, "update_on must be one of"),
+  ],
+)
+def test_bad_arguments(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    oo.offload(optax.adam(1e-2), **kwargs)
+
+
+def test_host_limit_too_small_without_nvme(params):
+  tx = oo.offload(optax.adam(1e-2), host_limit="100KiB")
+  with pytest.raises(ValueError, match="bytes are missing.*nvme_dir"):
+    tx.init(params)
+
+
+@pytest.mark.parametrize(
+  "kwargs,feature",
+  [
+    ({"nvme_dir": "/tmp/x"}, "NVMe tier"),
+    ({"update_on": "host"}, "host-side"),
+    ({"master_dtype": jnp.float32}, "master weights"),
+  ],
+)
+def test_unimplemented_features_say_so(kwargs, feature):
+  with pytest.raises(NotImplementedError, match=feature):
+    oo.offload(optax.adam(1e-2), **kwargs)
