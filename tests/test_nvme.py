@@ -1,0 +1,585 @@
+"""Tests for the NVMe tier (`optax_offload/_src/nvme.py`)."""
+
+import contextlib
+import importlib.util
+import os
+import pathlib
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from optax_offload._src import nvme
+from optax_offload._src.nvme import LeafSpec
+from optax_offload._src.nvme import NvmeCorruptionError
+from optax_offload._src.nvme import NvmeStore
+from optax_offload._src.nvme import NvmeWriteError
+
+_CHILD = pathlib.Path(__file__).with_name("nvme_child.py")
+_spec = importlib.util.spec_from_file_location("nvme_child", _CHILD)
+child = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(child)
+
+# Small chunks so that the bigger leaves span several chunk files.
+_CHUNK = 4096
+_GROUPS = [
+  [LeafSpec("w/f32", (40, 50), np.float32), LeafSpec("bias", (7,), np.float32)],  # 8000 B: 2 chunks
+  [LeafSpec("mu_bf16", (3000,), ml_dtypes.bfloat16)],  # 6000 B: 2 chunks
+  [
+    LeafSpec("count_i32", (5, 3), np.int32),
+    LeafSpec("big", (6000,), np.float32),
+  ],  # 24000 B: 6 chunks
+]
+
+
+def _values(groups, seed: int) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  out = {}
+  for group in groups:
+    for spec in group:
+      if spec.dtype.kind in "iu":
+        out[spec.name] = rng.integers(-1000, 1000, spec.shape).astype(spec.dtype)
+      elif spec.dtype.itemsize >= 2:
+        out[spec.name] = rng.standard_normal(spec.shape).astype(spec.dtype)
+      else:  # Narrow ml_dtypes and bool: small integers are exact in all of them.
+        out[spec.name] = rng.integers(0, 8, spec.shape).astype(spec.dtype)
+  return out
+
+
+def _assert_bit_equal(actual: dict, want: dict) -> None:
+  assert sorted(actual) == sorted(want)
+  for name in want:
+    assert actual[name].dtype == want[name].dtype, name
+    assert actual[name].shape == want[name].shape, name
+    assert actual[name].tobytes() == want[name].tobytes(), name
+
+
+def _gen_dirs(directory) -> list[str]:
+  return sorted(p.name for p in pathlib.Path(directory).iterdir() if p.name.startswith("gen_"))
+
+
+def _chunk_files(store: NvmeStore, generation: int, name: str) -> list[pathlib.Path]:
+  leaf_dir = store.generation_path(generation) / nvme._leaf_dirname(name)
+  return sorted(p for p in (leaf_dir / "c").rglob("*") if p.is_file())
+
+
+def _step(name: str, x: np.ndarray, generation: int) -> np.ndarray:
+  """A deterministic update that depends on the generation."""
+  if x.dtype.kind in "iu":
+    return x + np.asarray(generation, x.dtype)
+  return (x * np.asarray(0.5, x.dtype) + np.asarray(generation, x.dtype)).astype(x.dtype)
+
+
+def _run_protocol(store: NvmeStore, groups, reference: dict, start: int, steps: int) -> dict:
+  for generation in range(start, start + steps):
+    for g, group in enumerate(groups):
+      arrays = store.fetch(g, generation)
+      assert len(arrays) == len(group)
+      new = []
+      for spec, x in zip(group, arrays, strict=True):
+        assert x.tobytes() == reference[spec.name].tobytes(), (spec.name, generation)
+        new.append(_step(spec.name, x, generation))
+        reference[spec.name] = _step(spec.name, reference[spec.name], generation)
+      store.put(g, generation + 1, new)
+    store.commit(generation + 1)
+  return reference
+
+
+# ------------------------------------------------------------------------------------------------------
+# Round trips and layout.
+
+
+def test_chunk_shape_splits_leading_axes():
+  assert nvme._chunk_shape((100, 10), 4, 400) == (10, 10)
+  assert nvme._chunk_shape((100, 10), 4, 1 << 20) == (100, 10)
+  assert nvme._chunk_shape((4, 1000), 4, 400) == (1, 100)
+  assert nvme._chunk_shape((), 4, 400) == ()
+  assert nvme._chunk_shape((0, 3), 4, 400) == (1, 3)
+  # Equal parts: 4 chunks of 12500 rows rather than 3 of 16384 and a padded one.
+  assert nvme._chunk_shape((50_000,), 4, 64 << 10) == (12_500,)
+  assert nvme._chunk_shape((10,), 4, 12) == (3,)
+
+
+@pytest.mark.parametrize("chunk_bytes", [_CHUNK, 1 << 20])
+def test_round_trip_dtypes_and_shapes(tmp_path, chunk_bytes):
+  groups = _GROUPS + [
+    [LeafSpec("scalar", (), np.float64), LeafSpec("flags", (9,), np.bool_)],
+    [LeafSpec("u4", (11,), ml_dtypes.uint4), LeafSpec("f8", (2, 3), ml_dtypes.float8_e4m3fn)],
+  ]
+  values = _values(groups, 0)
+  with NvmeStore(tmp_path, groups, chunk_bytes=chunk_bytes) as store:
+    store.write_initial(0, values)
+    assert store.committed_generation == 0
+    _assert_bit_equal(store.read_generation(), values)
+    assert store.bytes_on_disk() == sum(v.nbytes for v in values.values())
+    n_chunks = len(_chunk_files(store, 0, "big"))
+    assert n_chunks == (6 if chunk_bytes == _CHUNK else 1)
+    for g, group in enumerate(groups):
+      for spec, x in zip(group, store.fetch(g, 0), strict=True):
+        assert x.tobytes() == values[spec.name].tobytes()
+  with NvmeStore(tmp_path, groups, chunk_bytes=chunk_bytes, create=False) as store:
+    assert store.committed_generation == 0
+    _assert_bit_equal(store.read_generation(0), values)
+
+
+def test_put_rejects_bad_arrays_and_committed_generations(tmp_path):
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    values = _values(_GROUPS, 0)
+    store.write_initial(3, values)
+    good = [values[s.name] for s in _GROUPS[1]]
+    with pytest.raises(ValueError, match="mu_bf16"):
+      store.put(1, 4, [good[0].astype(np.float32)])
+    with pytest.raises(ValueError, match="immutable"):
+      store.put(1, 3, good)
+    with pytest.raises(ValueError, match=r"groups \[0, 2\]"):
+      store.put(1, 4, good)
+      store.commit(4)
+    with pytest.raises(ValueError, match="neither committed"):
+      store.fetch(0, 7)
+    with pytest.raises(ValueError, match="missing leaves"):
+      store.write_initial(5, {})
+
+
+def test_put_accepts_jax_arrays(tmp_path):
+  import jax.numpy as jnp
+
+  groups = [[LeafSpec("p", (64, 3), jnp.bfloat16), LeafSpec("q", (5,), jnp.float32)]]
+  arrays = [jnp.arange(192, dtype=jnp.bfloat16).reshape(64, 3), jnp.ones(5, jnp.float32)]
+  with NvmeStore(tmp_path, groups) as store:
+    store.put(0, 0, arrays)
+    store.commit(0)
+    out = store.read_generation()
+  _assert_bit_equal(out, {"p": np.asarray(arrays[0]), "q": np.asarray(arrays[1])})
+
+
+# ------------------------------------------------------------------------------------------------------
+# The cyclic protocol, prefetch and write-behind.
+
+
+@pytest.mark.parametrize(
+  "prefetch_depth, write_depth", [(0, 1), (1, 1), (2, 2), (4, 1), (1, 3)], ids=str
+)
+def test_cyclic_protocol_matches_numpy(tmp_path, prefetch_depth, write_depth):
+  values = _values(_GROUPS, 1)
+  store = NvmeStore(
+    tmp_path,
+    _GROUPS,
+    prefetch_depth=prefetch_depth,
+    write_depth=write_depth,
+    chunk_bytes=_CHUNK,
+  )
+  store.write_initial(0, values)
+  reference = _run_protocol(store, _GROUPS, dict(values), start=0, steps=5)
+  store.sync()
+  assert store.committed_generation == 5
+  _assert_bit_equal(store.read_generation(), reference)
+  stats = store.stats
+  assert stats["fetches"] == 5 * len(_GROUPS)
+  assert stats["prefetch_hits"] + stats["buffer_hits"] + stats["misses"] == stats["fetches"]
+  if prefetch_depth:
+    assert stats["prefetch_hits"] + stats["buffer_hits"] > 0, stats
+  else:
+    assert stats["prefetch_hits"] == 0
+  assert 0 < stats["peak_buffer_bytes"] <= store.host_buffer_bound
+  max_group = max(sum(s.nbytes for s in g) for g in _GROUPS)
+  assert store.host_buffer_bound == (prefetch_depth + write_depth + 1) * max_group
+  store.close()
+  store.close()  # Idempotent.
+  with pytest.raises(RuntimeError, match="closed"):
+    store.fetch(0, 5)
+
+  # Reopen: the committed generation is there, bit-equal, and old generations are gone.
+  assert _gen_dirs(tmp_path) == ["gen_00000004", "gen_00000005"]
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK, create=False) as store:
+    assert store.committed_generation == 5
+    assert store.generations_on_disk == [4, 5]
+    _assert_bit_equal(store.read_generation(), reference)
+    reference = _run_protocol(store, _GROUPS, reference, start=5, steps=1)
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    _assert_bit_equal(store.read_generation(6), reference)
+  assert _gen_dirs(tmp_path) == ["gen_00000005", "gen_00000006"]
+
+
+def _slow_writer(store: NvmeStore, gate: threading.Event) -> None:
+  """Makes the store's writer wait for `gate` before each group write."""
+  write = store._write_group
+
+  def gated(op):
+    assert gate.wait(10)
+    write(op)
+
+  store._write_group = gated
+
+
+def test_put_blocks_when_write_depth_writes_are_pending(tmp_path):
+  values = _values(_GROUPS, 2)
+  with NvmeStore(tmp_path, _GROUPS, write_depth=2, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+    gate = threading.Event()
+    _slow_writer(store, gate)
+    arrays = [[values[s.name] for s in group] for group in _GROUPS]
+    start = time.monotonic()
+    store.put(0, 1, arrays[0])
+    store.put(1, 1, arrays[1])
+    assert time.monotonic() - start < 1.0
+    third = threading.Thread(target=store.put, args=(2, 1, arrays[2]))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive(), "put must block while write_depth writes are pending"
+    assert store.stats["buffer_bytes"] <= store.host_buffer_bound
+    gate.set()
+    third.join(10)
+    assert not third.is_alive()
+    store.commit(1)
+    store.sync()
+    _assert_bit_equal(store.read_generation(1), values)
+
+
+def test_prefetch_of_next_generation_waits_for_its_write(tmp_path):
+  """Group 0 of generation g + 1 is prefetched while its write is still pending: served from the buffer."""
+  values = _values(_GROUPS, 3)
+  with NvmeStore(tmp_path, _GROUPS, prefetch_depth=1, write_depth=3, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+    gate = threading.Event()
+    _slow_writer(store, gate)
+    reference = dict(values)
+    for g, group in enumerate(_GROUPS):
+      arrays = store.fetch(g, 0)
+      new = [_step(s.name, x, 0) for s, x in zip(group, arrays, strict=True)]
+      reference.update({s.name: n for s, n in zip(group, new, strict=True)})
+      if g < len(_GROUPS) - 1:
+        store.put(g, 1, new)
+      else:
+        last = new
+    # The last fetch scheduled group 0 of generation 1, whose write is still held at the gate.
+    misses = store.stats["misses"]
+    first = store.fetch(0, 1)
+    assert store.stats["misses"] == misses
+    for spec, x in zip(_GROUPS[0], first, strict=True):
+      assert x.tobytes() == reference[spec.name].tobytes()
+      assert not x.flags.writeable
+    gate.set()
+    store.put(len(_GROUPS) - 1, 1, last)
+    store.commit(1)
+    store.sync()
+    _assert_bit_equal(store.read_generation(), reference)
+
+
+def test_pin_keeps_a_generation(tmp_path):
+  values = _values(_GROUPS, 4)
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+    reference = _run_protocol(store, _GROUPS, dict(values), start=0, steps=1)
+    store.pin(1)
+    _run_protocol(store, _GROUPS, reference, start=1, steps=3)
+    store.sync()
+    assert store.generations_on_disk == [1, 3, 4]
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    assert store.generations_on_disk == [1, 3, 4]
+    store.unpin(1)
+    assert _gen_dirs(tmp_path) == ["gen_00000003", "gen_00000004"]
+    with pytest.raises(ValueError, match="not a committed generation"):
+      store.pin(1)
+
+
+def test_uncommitted_generations_are_removed_on_open(tmp_path):
+  values = _values(_GROUPS, 5)
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+    store.put(0, 1, [values[s.name] for s in _GROUPS[0]])  # Never committed.
+  (tmp_path / "gen_00000099" / "junk").mkdir(parents=True)
+  (tmp_path / "MANIFEST.json.tmp").write_text("{")
+  assert _gen_dirs(tmp_path) == ["gen_00000000", "gen_00000001", "gen_00000099"]
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    assert store.committed_generation == 0
+    assert _gen_dirs(tmp_path) == ["gen_00000000"]
+    assert not (tmp_path / "MANIFEST.json.tmp").exists()
+    _assert_bit_equal(store.read_generation(), values)
+
+
+def test_changed_leaves_are_refused(tmp_path):
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, _values(_GROUPS, 6))
+  changed = [list(g) for g in _GROUPS]
+  changed[1] = [LeafSpec("mu_bf16", (3001,), ml_dtypes.bfloat16)]
+  with pytest.raises(ValueError, match=r"group 1 leaf 0: shape \[3000\] stored, \[3001\] given"):
+    NvmeStore(tmp_path, changed)
+  with pytest.raises(ValueError, match="3 groups stored, 2 given"):
+    NvmeStore(tmp_path, _GROUPS[:2])
+  with NvmeStore(tmp_path, _GROUPS) as store:  # The failed opens released the lock.
+    assert store.committed_generation == 0
+
+
+# ------------------------------------------------------------------------------------------------------
+# Locking, paths and permissions.
+
+
+def test_lock_in_process(tmp_path):
+  with NvmeStore(tmp_path, _GROUPS):
+    with pytest.raises(RuntimeError, match=rf"{tmp_path}.*pid {os.getpid()}.*another nvme_dir"):
+      NvmeStore(tmp_path, _GROUPS)
+  with NvmeStore(tmp_path, _GROUPS):
+    pass
+
+
+def test_missing_directory_with_create_false(tmp_path):
+  with pytest.raises(FileNotFoundError, match="create=True"):
+    NvmeStore(tmp_path / "absent", _GROUPS, create=False)
+  assert not (tmp_path / "absent").exists()
+
+
+def test_path_under_a_regular_file(tmp_path):
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(NotADirectoryError, match="not a directory"):
+    NvmeStore(tmp_path / "file" / "store", _GROUPS)
+  with pytest.raises(NotADirectoryError, match="not a directory"):
+    NvmeStore(tmp_path / "file", _GROUPS)
+
+
+@contextlib.contextmanager
+def _mounted_tmpfs(directory: pathlib.Path, options: str):
+  """Mounts a tmpfs on `directory` (needs root); skips the test if that is impossible."""
+  directory.mkdir(parents=True, exist_ok=True)
+  if os.geteuid() != 0:
+    pytest.skip("mounting a small filesystem needs root")
+  result = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  if result.returncode != 0:
+    pytest.skip(f"cannot mount tmpfs here: {result.stderr.strip()}")
+  try:
+    yield directory
+  finally:
+    subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def test_unwritable_directory(tmp_path):
+  if os.geteuid() != 0:
+    target = tmp_path / "ro"
+    target.mkdir()
+    target.chmod(0o500)
+    with pytest.raises(PermissionError, match="not writable.*writable nvme_dir"):
+      NvmeStore(target, _GROUPS)
+    with pytest.raises(PermissionError, match="cannot create.*writable nvme_dir"):
+      NvmeStore(target / "sub", _GROUPS)
+    return
+  # Root ignores permission bits; a read-only filesystem still refuses writes.
+  with _mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as target:
+    with pytest.raises(PermissionError, match="not writable.*writable nvme_dir"):
+      NvmeStore(target, _GROUPS)
+    with pytest.raises(PermissionError, match="cannot create.*writable nvme_dir"):
+      NvmeStore(target / "sub", _GROUPS)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Failures: corruption, full disk, I/O errors.
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "metadata"])
+def test_corruption_is_detected(tmp_path, damage):
+  values = _values(_GROUPS, 7)
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+    reference = _run_protocol(store, _GROUPS, dict(values), start=0, steps=1)
+    store.sync()
+    chunk = _chunk_files(store, 1, "big")[2]
+  if damage == "flip":
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    shown = str(chunk)
+  elif damage == "truncate":
+    chunk.write_bytes(chunk.read_bytes()[:-10])
+    shown = str(chunk)
+  elif damage == "missing":
+    chunk.unlink()
+    shown = str(chunk)
+  else:
+    (chunk.parents[1] / "zarr.json").unlink()
+    shown = str(chunk.parents[1])
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    with pytest.raises(NvmeCorruptionError, match="leaf 'big' of generation 1") as info:
+      store.read_generation()
+    assert shown in str(info.value)
+    with pytest.raises(NvmeCorruptionError, match="leaf 'big'"):
+      store.fetch(2, 1)
+    # Untouched leaves of the committed generation still read, through prefetch too.
+    for g in (0, 1):
+      for spec, x in zip(_GROUPS[g], store.fetch(g, 1), strict=True):
+        assert x.tobytes() == reference[spec.name].tobytes()
+    with pytest.raises(NvmeCorruptionError, match="leaf 'big'"):
+      store.fetch(2, 1)
+
+
+def test_io_error_in_writer_surfaces_and_keeps_committed_generation(tmp_path):
+  values = _values(_GROUPS, 8)
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+  # A regular file where generation 1's directory must go: every write of generation 1 fails.
+  (tmp_path / "gen_00000001").write_text("in the way")
+  store = NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK)
+  (tmp_path / "gen_00000001").write_text("in the way")  # The open removed the stray entry.
+  store.put(0, 1, [values[s.name] for s in _GROUPS[0]])
+  with pytest.raises(NvmeWriteError, match=r"leaf 'w/f32' of generation 1 to .*gen_00000001"):
+    store.sync()
+  for call in (
+    lambda: store.fetch(0, 0),
+    lambda: store.put(1, 1, [values["mu_bf16"]]),
+    lambda: store.commit(1),
+    store.sync,
+  ):
+    with pytest.raises(NvmeWriteError):
+      call()
+  store.close()  # Already reported: closes quietly.
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    assert store.committed_generation == 0
+    _assert_bit_equal(store.read_generation(), values)
+
+
+def test_unreported_error_is_raised_by_close(tmp_path):
+  values = _values(_GROUPS, 9)
+  (tmp_path / "store").mkdir()
+  store = NvmeStore(tmp_path / "store", _GROUPS, chunk_bytes=_CHUNK)
+  (tmp_path / "store" / "gen_00000000").write_text("in the way")
+  store.put(0, 0, [values[s.name] for s in _GROUPS[0]])
+  with pytest.raises(NvmeWriteError, match="gen_00000000"):
+    store.close()
+  store.close()
+
+
+def test_full_disk_raises_and_keeps_committed_generation(tmp_path):
+  # ~400 KB per generation on a 1 MiB filesystem: two committed generations fit, a third does not.
+  groups = [[LeafSpec("m", (50_000,), np.float32)], [LeafSpec("v", (50_000,), np.float32)]]
+  values = _values(groups, 10)
+  with _mounted_tmpfs(tmp_path / "small", "size=1m") as directory:
+    store = NvmeStore(directory, groups, chunk_bytes=64 << 10)
+    store.write_initial(0, values)
+    reference = _run_protocol(store, groups, dict(values), start=0, steps=1)
+    store.sync()
+    with pytest.raises(NvmeWriteError, match=r"of generation 2 .*disk looks full"):
+      _run_protocol(store, groups, dict(reference), start=1, steps=1)
+      store.sync()
+    with pytest.raises(NvmeWriteError):
+      store.sync()
+    store.close()
+    assert _gen_dirs(directory) == ["gen_00000000", "gen_00000001"]
+    with NvmeStore(directory, groups, create=False) as store:
+      assert store.committed_generation == 1
+      _assert_bit_equal(store.read_generation(), reference)
+      _assert_bit_equal(store.read_generation(0), values)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Other processes: lock and SIGKILL at random moments.
+
+
+class _Zygote:
+  """`tests/nvme_child.py`: imports the store once and forks a worker per command."""
+
+  def __init__(self):
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    self.proc = subprocess.Popen(
+      [sys.executable, str(_CHILD)],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+      env=env,
+    )
+    self.lines = queue.Queue()
+    threading.Thread(target=self._pump, daemon=True).start()
+    self.expect("zygote", timeout=60)
+
+  def _pump(self):
+    for line in self.proc.stdout:
+      self.lines.put(line.split())
+
+  def send(self, *words):
+    self.proc.stdin.write(" ".join(str(w) for w in words) + "\n")
+    self.proc.stdin.flush()
+
+  def expect(self, *kinds, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+      words = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+      if words[0] in kinds:
+        return words
+      if words[0] in ("bad", "error"):
+        raise AssertionError(" ".join(words))
+
+  def close(self):
+    self.proc.stdin.close()
+    self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def zygote():
+  z = _Zygote()
+  yield z
+  z.close()
+
+
+def _kill(pid: int) -> None:
+  os.kill(pid, signal.SIGKILL)
+  deadline = time.monotonic() + 10
+  while time.monotonic() < deadline:
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return
+    time.sleep(0.005)
+  raise AssertionError(f"process {pid} did not die")
+
+
+def test_lock_across_processes(tmp_path, zygote):
+  store = NvmeStore(tmp_path, child.GROUPS, chunk_bytes=child.CHUNK_BYTES)
+  zygote.send("open", tmp_path)
+  words = zygote.expect("error", "opened")
+  message = " ".join(words)
+  assert words[2] == "RuntimeError" and f"pid {os.getpid()}" in message and str(tmp_path) in message
+  store.close()
+  zygote.send("hold", tmp_path)
+  pid = int(zygote.expect("holding")[1])
+  try:
+    with pytest.raises(RuntimeError, match=rf"locked by another NvmeStore \(process pid {pid}\)"):
+      NvmeStore(tmp_path, child.GROUPS, chunk_bytes=child.CHUNK_BYTES)
+  finally:
+    _kill(pid)
+  with NvmeStore(tmp_path, child.GROUPS, chunk_bytes=child.CHUNK_BYTES):
+    pass
+
+
+def test_sigkill_at_random_moments_keeps_last_committed_generation(tmp_path, zygote):
+  rng = random.Random(0)
+  directory = tmp_path / "store"
+  generations, interrupted = [], 0
+  for trial in range(12):
+    zygote.send("run", directory, trial)
+    words = zygote.expect("ready")
+    pid, start_generation = int(words[1]), int(words[2])
+    time.sleep(rng.uniform(0.0, 0.4))
+    _kill(pid)
+    # The writer runs at most 2 generations ahead of the last commit.
+    assert len(_gen_dirs(directory)) <= 4 + 1  # + 1: killed between publishing and deleting.
+    interrupted += len(_gen_dirs(directory)) > 2
+    with NvmeStore(directory, child.GROUPS, chunk_bytes=child.CHUNK_BYTES) as store:
+      committed = store.committed_generation
+      assert committed >= start_generation
+      on_disk = _gen_dirs(directory)
+      assert on_disk == [f"gen_{g:08d}" for g in store.generations_on_disk]
+      assert len(on_disk) <= 2
+      if committed >= 0:
+        _assert_bit_equal(store.read_generation(), child.expected(committed))
+    generations.append(committed)
+  assert generations[-1] > 0, generations
+  assert interrupted > 0, "no kill landed while a generation was being written"
+  assert not any(w[0] == "bad" for w in list(zygote.lines.queue))
