@@ -9,13 +9,19 @@ Examples:
   65536
 """
 
+from optax_offload._src.nvme import NvmeCorruptionError
+from optax_offload._src.nvme import NvmeError
+from optax_offload._src.nvme import NvmeWriteError
 from optax_offload._src.plan import LeafInfo
 from optax_offload._src.plan import Plan
 from optax_offload._src.plan import Tier
+from optax_offload._src.plan import describe as describe_plan
 from optax_offload._src.plan import format_bytes
 from optax_offload._src.plan import make_plan
 from optax_offload._src.plan import parse_bytes
+from optax_offload._src.state import close_nvme
 from optax_offload._src.state import footprint
+from optax_offload._src.state import sync_nvme
 from optax_offload._src.state import to_inner
 from optax_offload._src.transform import OffloadState
 from optax_offload._src.transform import offload
@@ -24,13 +30,19 @@ __version__ = "0.1.0"
 
 __all__ = (
   "LeafInfo",
+  "NvmeCorruptionError",
+  "NvmeError",
+  "NvmeWriteError",
   "OffloadState",
   "Plan",
   "Tier",
+  "close_nvme",
+  "describe_plan",
   "footprint",
   "format_bytes",
   "make_plan",
   "offload",
   "parse_bytes",
+  "sync_nvme",
   "to_inner",
 )

@@ -44,6 +44,8 @@ def train(tx, params, steps: int, *, jit: bool = True, donate: bool = False, gra
 
   if jit:
     step = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+  if donate:  # the caller's params stay usable
+    params = jax.tree.map(jnp.copy, params)
   for t in range(steps):
     params, state = step(params, state, make_grads(params, t, grads_seed))
   return params, state

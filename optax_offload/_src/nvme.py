@@ -326,6 +326,22 @@ def _describe_spec_diff(
   return diffs
 
 
+def stored_groups(directory: str | os.PathLike) -> list[list[LeafSpec]]:
+  """The leaf specs recorded in a store's manifest, to reopen it without knowing them.
+
+  Raises:
+    FileNotFoundError: the directory holds no committed store.
+  """
+  path = pathlib.Path(os.path.abspath(os.fspath(directory))) / _MANIFEST
+  if not path.exists():
+    raise FileNotFoundError(f"{path.parent} holds no committed NVMe store (no {_MANIFEST}).")
+  manifest = json.loads(path.read_text())
+  return [
+    [LeafSpec(s["name"], tuple(s["shape"]), np.dtype(s["dtype"])) for s in group]
+    for group in manifest["groups"]
+  ]
+
+
 class NvmeStore:
   """A generational, crash-safe store of groups of arrays on local disk (TensorStore zarr3).
 

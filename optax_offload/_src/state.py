@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 
+from optax_offload._src import nvme_tier
 from optax_offload._src.transform import OffloadState
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
@@ -45,7 +46,14 @@ def footprint(state: Any) -> dict[str, int]:
       continue
     nbytes = sum(shard.data.nbytes for shard in leaf.addressable_shards)
     totals["host" if leaf.sharding.memory_kind in _HOST_KINDS else "device"] += nbytes
+  for s in _offload_states(state):
+    if int(s.nvme_store) >= 0:
+      totals["nvme"] += nvme_tier.lookup(s.nvme_store).bytes()
   return totals
+
+
+def _offload_states(tree: Any) -> list[OffloadState]:
+  return [x for x in jax.tree.leaves(tree, is_leaf=_is_offload_state) if _is_offload_state(x)]
 
 
 def to_inner(state: Any, *, memory_kind: str | None = None) -> Any:
@@ -55,7 +63,8 @@ def to_inner(state: Any, *, memory_kind: str | None = None) -> Any:
   ``optax.chain(clip, offload(adamw))`` becomes a state of ``optax.chain(clip, adamw)``.
 
   Args:
-    state: an `OffloadState` or a tree containing some.
+    state: an `OffloadState` or a tree containing some. NVMe-tier parts are read from the store
+      (the generation the state names), checksums verified.
     memory_kind: None keeps each array where it is; ``"device"`` moves all to device memory (to
       continue with the plain optimizer), ``"pinned_host"`` all to host memory.
 
@@ -72,7 +81,11 @@ def to_inner(state: Any, *, memory_kind: str | None = None) -> Any:
   """
 
   def unwrap(x):
-    return x.inner if _is_offload_state(x) else x
+    if not _is_offload_state(x):
+      return x
+    if int(x.nvme_store) < 0:
+      return x.inner
+    return nvme_tier.lookup(x.nvme_store).materialize(x.inner, x.nvme_generation)
 
   plain = jax.tree.map(unwrap, state, is_leaf=_is_offload_state)
   if memory_kind is None:
@@ -83,3 +96,24 @@ def to_inner(state: Any, *, memory_kind: str | None = None) -> Any:
     ),
     plain,
   )
+
+
+def sync_nvme(state: Any) -> None:
+  """Blocks until every NVMe write and commit queued by updates of `state` is durable.
+
+  Background write errors (disk full, I/O errors) are raised here, naming the leaf and the file.
+  A no-op for states without an NVMe tier.
+  """
+  for s in _offload_states(state):
+    if int(s.nvme_store) >= 0:
+      nvme_tier.lookup(s.nvme_store).store.sync()
+
+
+def close_nvme(state: Any) -> None:
+  """Waits for pending NVMe writes, stops the store's threads and releases its directory lock.
+
+  The state can no longer be updated afterwards; a new ``tx.init`` opens the directory again.
+  """
+  for s in _offload_states(state):
+    if int(s.nvme_store) >= 0:
+      nvme_tier.lookup(s.nvme_store).close()

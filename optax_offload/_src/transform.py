@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -15,6 +16,7 @@ import optax
 from optax._src.base import NO_PARAMS_MSG
 
 from optax_offload._src import layout as layout_lib
+from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
 
@@ -28,8 +30,9 @@ _UPDATE_ON = ("device", "host")
 class OffloadState(NamedTuple):
   """State of `offload`: the inner state, with large per-parameter parts in host memory."""
 
-  inner: optax.OptState
-  nvme_generation: jax.Array  # int32 scalar: the NVMe generation holding NVMe-tier parts; -1: none
+  inner: optax.OptState  # NVMe-tier parts are empty placeholders: their data is in the store
+  nvme_store: jax.Array  # int32 scalar: id of the NVMe store holding NVMe-tier parts; -1: none
+  nvme_generation: jax.Array  # int32 scalar: the store generation this state names; -1: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +43,13 @@ class _Setup:
   paths: tuple[str, ...]
   leaves: tuple[plan_lib.LeafInfo, ...]
   plan: plan_lib.Plan
-  part_shapes: tuple[list[tuple[int, ...]], ...]  # shapes of each leaf's state parts
+  part_shapes: tuple[list[tuple[int, ...]], ...]  # shapes of each leaf's state arrays
+  array_tiers: tuple[tuple[plan_lib.Tier, ...], ...]  # tier of each leaf's state arrays
+  nvme: nvme_tier.NvmeTier | None
+
+  def handles(self, generation: int) -> tuple[jax.Array, jax.Array]:
+    store = -1 if self.nvme is None else self.nvme.id
+    return jnp.asarray(store, jnp.int32), jnp.asarray(generation, jnp.int32)
 
 
 def _default_window_bytes() -> int:
@@ -71,12 +80,22 @@ def _host_sharding(sharding: Any, part_shape: tuple[int, ...], param_shape: tupl
   return sharding.with_memory_kind("pinned_host")
 
 
-def _is_host(x: Any) -> bool:
-  return getattr(jax.typeof(x), "memory_space", None) == HOST
+def _map_arrays(part: Any, tiers: Sequence[plan_lib.Tier], fn) -> Any:
+  """Applies ``fn(tier, j, array)`` to each array of a leaf's state part."""
+  arrays, treedef = jax.tree.flatten(part)
+  return treedef.unflatten([fn(t, j, x) for j, (t, x) in enumerate(zip(tiers, arrays))])
 
 
-def _put(part: Any, space: jax.memory.Space) -> Any:
-  return jax.tree.map(lambda x: jax.device_put(x, space), part)
+def _array_tiers(part: Any, tier: plan_lib.Tier, min_size: int) -> tuple[plan_lib.Tier, ...]:
+  """The leaf's tier for each of its state arrays, but arrays below `min_size` stay on device.
+
+  Besides saving transfers of tiny arrays (e.g. adafactor's (1,) placeholders), this keeps
+  JAX's donation matching right: it pairs donated inputs to outputs by shape and dtype, ignoring
+  memory kinds, so a tiny host array and a tiny device array of the same shape could be swapped.
+  """
+  return tuple(
+    tier if math.prod(x.shape) >= min_size else plan_lib.Tier.DEVICE for x in jax.tree.leaves(part)
+  )
 
 
 def _leaf_path(path) -> str:
@@ -93,6 +112,7 @@ def offload(
   min_size: int = 4096,
   window_bytes: int | str | None = None,
   check_separable: bool = True,
+  nvme_options: dict[str, Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps the state of a separable optax transformation in pinned host memory.
 
@@ -110,7 +130,10 @@ def offload(
       offload(optax.adamw(1e-3)))``.
     host_limit: pinned-host budget for the offloaded state, in bytes or a string like ``"64GiB"``;
       None for no limit.
-    nvme_dir: directory for state beyond ``host_limit`` (not implemented yet).
+    nvme_dir: directory for state beyond ``host_limit``: TensorStore arrays in
+      ``nvme_dir/process_{i}``, one generation per step, committed atomically. The directory is
+      locked by this process until `close_nvme` (or exit); `sync_nvme` waits for
+      pending writes.
     update_on: ``"device"`` streams state groups to the accelerator (``"host"`` is not implemented
       yet).
     master_dtype: fp32 master weights for low-precision params (not implemented yet).
@@ -121,6 +144,10 @@ def offload(
       1 GiB.
     check_separable: at ``init``, check on a miniature of the parameter tree that ``inner`` does not
       mix leaves, and refuse it otherwise.
+    nvme_options: keyword arguments for the NVMe store: ``prefetch_depth`` (groups read ahead,
+      default 1), ``write_depth`` (groups written behind, default 1), ``chunk_bytes`` (default
+      16 MiB). Host RAM used by the tier: at most (prefetch_depth + write_depth + 1) x the largest
+      group's NVMe bytes.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. Its state is an `OffloadState`.
@@ -154,10 +181,9 @@ def offload(
       "master_dtype (fp32 master weights kept offloaded for low-precision params) is not "
       "implemented yet; leave master_dtype=None."
     )
-  if nvme_dir is not None:
-    raise NotImplementedError(
-      "nvme_dir (the NVMe tier through TensorStore) is not implemented yet; leave nvme_dir=None."
-    )
+  if nvme_dir is not None and not isinstance(nvme_dir, str | os.PathLike):
+    raise TypeError(f"nvme_dir must be a directory path, got {type(nvme_dir).__name__}.")
+  nvme_options = dict(nvme_options or {})
   if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
     raise ValueError(f"min_size must be an int >= 0 (number of elements), got {min_size!r}.")
   host_limit_bytes = plan_lib.parse_bytes(host_limit, "host_limit")
@@ -170,7 +196,7 @@ def offload(
 
   def get_setup(treedef, paths, avals, shardings) -> _Setup:
     key = (treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in avals))
-    if key in setups:
+    if key in setups and not (setups[key].nvme is not None and setups[key].nvme.closed):
       return setups[key]
     layout = layout_lib.StateLayout(inner, treedef)
     abstract_state = jax.eval_shape(inner.init, treedef.unflatten(list(avals)))
@@ -184,18 +210,33 @@ def offload(
       min_size=min_size,
       window_bytes=window if window is not None else _default_window_bytes(),
       host_limit=host_limit_bytes,
-      nvme=False,
+      nvme=nvme_dir is not None,
     )
     if check_separable:
       separable.check_separable(inner, layout, paths, avals)
     part_shapes = tuple([tuple(x.shape) for x in jax.tree.leaves(part)] for part in per_leaf)
-    setups[key] = _Setup(layout, tuple(paths), leaves, the_plan, part_shapes)
+    array_tiers = tuple(
+      _array_tiers(part, t, min_size) for part, t in zip(per_leaf, the_plan.tiers)
+    )
+    tier = None
+    if any(plan_lib.Tier.NVME in ts for ts in array_tiers):
+      tier = nvme_tier.NvmeTier(
+        nvme_tier.process_directory(nvme_dir),
+        the_plan.groups,
+        array_tiers,
+        per_leaf,
+        **nvme_options,
+      )
+      tier.layout = layout
+    setups[key] = _Setup(layout, tuple(paths), leaves, the_plan, part_shapes, array_tiers, tier)
     logger.info("offload plan:\n%s", plan_lib.describe(the_plan, leaves))
     return setups[key]
 
   def init_fn(params: optax.Params) -> OffloadState:
     if layout_lib.is_placeholder(params):  # optax.tree_utils.tree_map_params asks for the layout
-      return OffloadState(inner.init(params), jnp.asarray(-1, jnp.int32))
+      return OffloadState(
+        inner.init(params), jnp.asarray(-1, jnp.int32), jnp.asarray(-1, jnp.int32)
+      )
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [_leaf_path(p) for p, _ in flat]
     values = [v for _, v in flat]
@@ -203,22 +244,34 @@ def offload(
     shardings = [getattr(v, "sharding", None) for v in values]
     setup = get_setup(treedef, paths, avals, shardings)
 
-    def place(*concrete):
+    def leaves_of(concrete):
       it = iter(concrete)
-      leaves = [
+      return [
         jnp.zeros(v.shape, v.dtype) if isinstance(v, jax.ShapeDtypeStruct) else next(it)
         for v in values
       ]
-      shared, per_leaf = setup.layout.split(inner.init(treedef.unflatten(leaves)))
+
+    generation = -1
+    if setup.nvme is not None:
+      generation = setup.nvme.store.committed_generation + 1
+
+    def place(*concrete):
+      shared, per_leaf = setup.layout.split(inner.init(treedef.unflatten(leaves_of(concrete))))
       per_leaf = [
-        _put(part, HOST) if tier is plan_lib.Tier.HOST else part
-        for part, tier in zip(per_leaf, setup.plan.tiers)
+        _map_arrays(part, tiers, _place_array) for part, tiers in zip(per_leaf, setup.array_tiers)
       ]
-      return OffloadState(setup.layout.merge(shared, per_leaf), jnp.asarray(-1, jnp.int32))
+      return OffloadState(setup.layout.merge(shared, per_leaf), *setup.handles(generation))
 
     concrete = [v for v in values if not isinstance(v, jax.ShapeDtypeStruct)]
     if any(isinstance(v, jax.core.Tracer) for v in concrete):
+      if setup.nvme is not None:
+        raise ValueError(
+          "offload with an NVMe tier must be initialised outside jax.jit (init writes the initial "
+          "state to disk)."
+        )
       return place(*concrete)
+    if setup.nvme is not None:
+      _init_nvme(inner, setup, generation, lambda c: treedef.unflatten(leaves_of(c)), concrete)
     out_shardings = _init_out_shardings(setup, jax.eval_shape(place, *concrete), avals, shardings)
     return jax.jit(place, out_shardings=out_shardings)(*concrete)
 
@@ -244,11 +297,10 @@ def offload(
     shared, per_leaf = _split_checked(setup, state.inner, paths)
     if not grads:
       new_updates, new_inner = inner.update(updates, state.inner, params, **extra_args)
-      return new_updates, OffloadState(new_inner, state.nvme_generation)
-    host = [any(_is_host(x) for x in jax.tree.leaves(part)) for part in per_leaf]
+      return new_updates, state._replace(inner=new_inner)
     try:
-      new_updates, new_shared, new_per_leaf = _windowed_update(
-        inner, setup, host, grads, shared, per_leaf, param_leaves, extra_args
+      new_updates, new_shared, new_per_leaf, new_generation = _windowed_update(
+        inner, setup, grads, shared, per_leaf, param_leaves, extra_args, state.nvme_generation
       )
     except ValueError as e:
       if NO_PARAMS_MSG in str(e) and params is None:
@@ -259,7 +311,10 @@ def offload(
       raise
     return (
       treedef.unflatten(new_updates),
-      OffloadState(setup.layout.merge(new_shared, new_per_leaf), state.nvme_generation),
+      state._replace(
+        inner=setup.layout.merge(new_shared, new_per_leaf),
+        nvme_generation=new_generation,
+      ),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -270,14 +325,15 @@ def _init_out_shardings(setup: _Setup, abstract: OffloadState, avals, shardings)
   shared, per_leaf = setup.layout.split(abstract.inner)
   shared = [jax.tree.map(lambda _: None, s) for s in shared]
   placed = []
-  for part, tier, aval, sharding in zip(per_leaf, setup.plan.tiers, avals, shardings):
-    if tier is plan_lib.Tier.HOST and sharding is not None:
-      placed.append(
-        jax.tree.map(lambda x, s=sharding, a=aval: _host_sharding(s, x.shape, a.shape), part)
-      )
-    else:
-      placed.append(jax.tree.map(lambda _: None, part))
-  return OffloadState(setup.layout.merge(shared, placed), None)
+  for part, tiers, aval, sharding in zip(per_leaf, setup.array_tiers, avals, shardings):
+
+    def spec(tier, j, x, sharding=sharding, aval=aval):
+      if tier is plan_lib.Tier.HOST and sharding is not None:
+        return _host_sharding(sharding, x.shape, aval.shape)
+      return None
+
+    placed.append(_map_arrays(part, tiers, spec))
+  return OffloadState(setup.layout.merge(shared, placed), None, None)
 
 
 def _matching_leaves(tree: Any, treedef: Any, paths: Sequence[str], name: str) -> list[Any]:
@@ -313,8 +369,9 @@ def _split_checked(setup: _Setup, inner_state, paths):
       f"initialised with ({e}). Pass gradients with the same structure as the params given to "
       "tx.init."
     ) from None
-  for path, want_shapes, got in zip(paths, setup.part_shapes, per_leaf):
+  for path, want_shapes, got, tiers in zip(paths, setup.part_shapes, per_leaf, setup.array_tiers):
     got_shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(got)]
+    want_shapes = [(0,) if t is plan_lib.Tier.NVME else w for w, t in zip(want_shapes, tiers)]
     if want_shapes != got_shapes:
       raise ValueError(
         f"offload: gradient leaf {path} does not match the optimizer state: its state has shapes "
@@ -324,30 +381,75 @@ def _split_checked(setup: _Setup, inner_state, paths):
   return shared, per_leaf
 
 
-def _windowed_update(inner, setup: _Setup, host, grads, shared, per_leaf, params, extra_args):
+def _init_nvme(inner, setup: _Setup, generation: int, build_params, concrete) -> None:
+  """Writes the initial NVMe-tier state group by group, so it never sits whole in memory."""
+  layout, tier = setup.layout, setup.nvme
+  for k in tier.groups:
+    group = [i for i in setup.plan.groups[k] if plan_lib.Tier.NVME in setup.array_tiers[i]]
+
+    def group_init(*c, group=group):
+      params_tree = build_params(c)
+      masked = layout.masked(layout.params_treedef.flatten_up_to(params_tree), group)
+      return layout.unview(inner.init(masked), group)[1]
+
+    tier.write_group(k, generation, jax.jit(group_init)(*concrete))
+  tier.commit(generation)
+
+
+def _place_array(tier: plan_lib.Tier, j: int, x: jax.Array) -> jax.Array:
+  """Where a state array rests between steps."""
+  del j
+  if tier is plan_lib.Tier.HOST:
+    return jax.device_put(x, HOST)
+  if tier is plan_lib.Tier.NVME:
+    return nvme_tier.placeholder(x)
+  return x
+
+
+def _windowed_update(inner, setup: _Setup, grads, shared, per_leaf, params, extra_args, generation):
   """Runs the inner update group by group through the device window.
 
   Group k+1's offloaded state is brought in (prefetch) while group k computes, but only after
   group k-1's new state has gone back to the host: an optimization barrier ties the two, so XLA
   cannot hoist every transfer to the start of the program. At most two groups' offloaded state is
-  on the device at once.
+  on the device at once. NVMe-tier arrays come in and go out through one callback each per group;
+  the store prefetches and writes behind on its own threads.
   """
-  layout, groups = setup.layout, setup.plan.groups
+  layout, groups, tiers, tier = setup.layout, setup.plan.groups, setup.array_tiers, setup.nvme
+  token = generation  # threads the NVMe callbacks in program order
+  has_host = [plan_lib.Tier.HOST in t for t in tiers]
 
-  def bring_in(group, parts):
-    return {i: _put(parts[i], DEVICE) if host[i] else parts[i] for i in group}
+  def bring_in(k, parts, token):
+    fetched = {}
+    if tier is not None and k in tier.groups:
+      fetched, token = tier.fetch(k, token)
+
+    def load(t, j, x, i):
+      if t is plan_lib.Tier.HOST:
+        return jax.device_put(x, DEVICE)
+      return fetched[(i, j)] if t is plan_lib.Tier.NVME else x
+
+    out = {
+      i: _map_arrays(parts[i], tiers[i], lambda t, j, x, i=i: load(t, j, x, i)) for i in groups[k]
+    }
+    return out, token
+
+  def send_out(k, parts, token):
+    if tier is not None and k in tier.groups:
+      token = tier.put(k, token, parts)
+    return {i: _map_arrays(p, tiers[i], _place_array) for i, p in parts.items()}, token
 
   new_shared, new_per_leaf, new_updates = None, {}, [None] * layout.num_leaves
-  current = bring_in(groups[0], per_leaf)
+  current, token = bring_in(0, per_leaf, token)
   sent_back: dict[int, Any] = {}  # previous group's new host parts
   for k, group in enumerate(groups):
     upcoming = None
     if k + 1 < len(groups):
       nxt = {i: per_leaf[i] for i in groups[k + 1]}
       if sent_back:
-        nxt, sent_back = jax.lax.optimization_barrier((nxt, sent_back))
+        (nxt, token), sent_back = jax.lax.optimization_barrier(((nxt, token), sent_back))
         new_per_leaf.update(sent_back)
-      upcoming = bring_in(groups[k + 1], nxt)
+      upcoming, token = bring_in(k + 1, nxt, token)
     u, s = inner.update(
       layout.masked(grads, group),
       layout.view(shared, current, group),
@@ -358,8 +460,10 @@ def _windowed_update(inner, setup: _Setup, host, grads, shared, per_leaf, params
     new_shared = group_shared if new_shared is None else new_shared
     for i, leaf in zip(group, layout.group_leaves(u, group)):
       new_updates[i] = leaf
-    sent_back = {i: _put(part, HOST) for i, part in group_parts.items() if host[i]}
+    group_parts, token = send_out(k, group_parts, token)
+    sent_back = {i: part for i, part in group_parts.items() if has_host[i]}
     new_per_leaf.update(group_parts)
-    new_per_leaf.update(sent_back)
     current = upcoming
-  return new_updates, new_shared, [new_per_leaf[i] for i in range(layout.num_leaves)]
+  new_generation = tier.commit_traced(token) if tier is not None else generation
+  new_per_leaf = [new_per_leaf[i] for i in range(layout.num_leaves)]
+  return new_updates, new_shared, new_per_leaf, new_generation

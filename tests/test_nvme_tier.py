@@ -1,0 +1,240 @@
+"""The NVMe tier of `offload`: bit-equality with the host tier, files on disk, faults, crashes."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+from conftest import bits_equal
+from conftest import make_grads
+from conftest import make_params
+from conftest import train
+
+import optax_offload as oo
+from optax_offload._src import nvme
+
+HERE = os.path.dirname(__file__)
+WINDOW = 100_000
+# make_params() has 632 KiB of Adam state off the device; 200 KiB of host keeps 'big' (469 KiB) on NVMe.
+HOST_LIMIT = "200KiB"
+
+# (name, factory, host_limit that sends some leaves to NVMe)
+_OPTIMIZERS = (
+  ("adamw", lambda: optax.adamw(1e-2, weight_decay=1e-2), HOST_LIMIT),
+  ("lion", lambda: optax.lion(1e-3), "100KiB"),
+  ("sgd_momentum", lambda: optax.sgd(1e-2, momentum=0.9), "100KiB"),
+  ("adafactor", lambda: optax.adafactor(1e-2), "40KiB"),  # factored state: 84 KiB in all
+)
+
+
+@pytest.mark.parametrize("name,make,host_limit", _OPTIMIZERS, ids=[o[0] for o in _OPTIMIZERS])
+def test_nvme_equals_host_tier_bit_for_bit(name, make, host_limit, tmp_path):
+  params = make_params()
+  host_params, host_state = train(oo.offload(make(), window_bytes=WINDOW), params, 20, donate=True)
+  tx = oo.offload(make(), window_bytes=WINDOW, host_limit=host_limit, nvme_dir=str(tmp_path))
+  nvme_params, nvme_state = train(tx, params, 20, donate=True)
+  try:
+    assert bits_equal(host_params, nvme_params), name
+    assert bits_equal(oo.to_inner(host_state), oo.to_inner(nvme_state)), name
+    fp = oo.footprint(nvme_state)
+    assert fp["nvme"] > 0 and fp["host"] > 0 and fp["device"] > 0
+    assert fp["nvme"] + fp["host"] == oo.footprint(host_state)["host"]
+    assert int(nvme_state.nvme_generation) == 20
+    oo.sync_nvme(nvme_state)
+    gen_dir = tmp_path / "process_0" / "gen_00000020"
+    assert gen_dir.is_dir() and any(gen_dir.iterdir())
+    assert (tmp_path / "process_0" / "MANIFEST.json").exists()
+    plain_params, _ = train(make(), params, 20)
+    assert_close(plain_params, nvme_params)
+  finally:
+    oo.close_nvme(nvme_state)
+
+
+def test_mixed_placement_device_host_nvme(tmp_path):
+  params = make_params()
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+  )
+  state = tx.init(params)
+  try:
+    mu = state.inner[0].mu
+    assert mu["scale"].sharding.memory_kind == "device"
+    assert mu["dense"]["kernel"].sharding.memory_kind == "pinned_host"
+    assert mu["big"].shape == (0,)  # its data is on NVMe
+    inner = oo.to_inner(state)
+    assert inner[0].mu["big"].shape == (300, 200)
+    assert inner[0].mu["big"].sharding.memory_kind == "pinned_host"
+  finally:
+    oo.close_nvme(state)
+
+
+def test_eager_update_with_nvme(tmp_path):
+  params = make_params()
+  ref_params, _ = train(oo.offload(optax.adam(1e-2), window_bytes=WINDOW), params, 3, jit=False)
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+  )
+  got_params, state = train(tx, params, 3, jit=False)
+  oo.close_nvme(state)
+  assert bits_equal(ref_params, got_params)
+
+
+def test_second_process_on_the_same_directory_is_refused(tmp_path):
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+  )
+  state = tx.init(make_params())
+  try:
+    code = (
+      "import sys; sys.path.insert(0, %r)\n"
+      "import optax, optax_offload as oo\n"
+      "from conftest import make_params\n"
+      "oo.offload(optax.adam(1e-2), window_bytes=%d, host_limit=%r, nvme_dir=%r).init(make_params())\n"
+    ) % (HERE, WINDOW, HOST_LIMIT, str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "process_0" in proc.stderr and "pid" in proc.stderr, proc.stderr[-2000:]
+  finally:
+    oo.close_nvme(state)
+
+
+def test_unwritable_directory_is_a_clear_error(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(blocker)
+  )
+  with pytest.raises((NotADirectoryError, PermissionError), match="file"):
+    tx.init(make_params())
+
+
+def test_corrupted_chunk_is_detected_and_named(tmp_path):
+  params = make_params()
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+  )
+  _, state = train(tx, params, 2)
+  try:
+    oo.sync_nvme(state)
+    gen = tmp_path / "process_0" / "gen_00000002"
+    chunks = sorted(p for p in gen.rglob("*") if p.is_file() and p.name != "zarr.json")
+    victim = chunks[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(oo.NvmeCorruptionError, match="leaf00000_part") as e:
+      oo.to_inner(state)
+    assert str(victim.parent.parent.name) in str(e.value) or "gen_00000002" in str(e.value)
+  finally:
+    oo.close_nvme(state)
+
+
+def test_truncated_chunk_is_detected(tmp_path):
+  params = make_params()
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+  )
+  _, state = train(tx, params, 1)
+  try:
+    oo.sync_nvme(state)
+    gen = tmp_path / "process_0" / "gen_00000001"
+    victim = sorted(p for p in gen.rglob("*") if p.is_file() and p.name != "zarr.json")[-1]
+    victim.write_bytes(victim.read_bytes()[:100])
+    with pytest.raises(oo.NvmeCorruptionError, match="gen_00000001"):
+      oo.to_inner(state)
+  finally:
+    oo.close_nvme(state)
+
+
+def _mount_tmpfs(path, size):
+  path.mkdir()
+  proc = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+    capture_output=True,
+    text=True,
+  )
+  return proc.returncode == 0, proc.stderr.strip()
+
+
+def test_full_filesystem_keeps_the_last_committed_generation(tmp_path):
+  mnt = tmp_path / "small"
+  ok, why = _mount_tmpfs(mnt, "1200k")
+  if not ok:
+    pytest.skip(f"cannot mount a small tmpfs here: {why}")
+  try:
+    params = make_params()
+    tx = oo.offload(optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(mnt))
+    # 0.48 MB per generation: two fit, the third (written while two are kept) does not.
+    p, state = train(tx, params, 1)
+    oo.sync_nvme(state)
+    last_good = int(state.nvme_generation)
+    # Inside a jitted step the error surfaces through XLA's callback error, message included.
+    with pytest.raises((oo.NvmeError, jax.errors.JaxRuntimeError), match="disk looks full"):
+      for t in range(10):
+        u, state = tx.update(make_grads(p, t), state, p)
+        oo.sync_nvme(state)
+        last_good = int(state.nvme_generation)
+    store_dir = mnt / "process_0"
+    try:
+      oo.close_nvme(state)
+    except oo.NvmeError:
+      pass
+    with nvme.NvmeStore(store_dir, nvme.stored_groups(store_dir), create=False) as store:
+      assert store.committed_generation == last_good
+      store.read_generation()  # intact and verified
+  finally:
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _reference_states(steps):
+  """The NVMe parts ('big' mu, nu) of a host-tier run after each step, by generation."""
+  from nvme_tier_child import CONFIG
+
+  params = make_params()
+  tx = oo.offload(optax.adamw(1e-2), window_bytes=CONFIG["window_bytes"])
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+  refs = {0: oo.to_inner(state)}
+  for t in range(steps):
+    params, state = step(params, state, make_grads(params, t))
+    refs[t + 1] = oo.to_inner(state)
+  return {g: (np.asarray(s[0].mu["big"]), np.asarray(s[0].nu["big"])) for g, s in refs.items()}
+
+
+def test_sigkill_at_random_moments_leaves_a_committed_generation(tmp_path):
+  steps = 400
+  refs = _reference_states(60)
+  rng = random.Random(0)
+  env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  seen = []
+  for trial in range(10):
+    d = tmp_path / f"trial{trial}"
+    proc = subprocess.Popen(
+      [sys.executable, os.path.join(HERE, "nvme_tier_child.py"), str(d), str(steps)],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=env,
+    )
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
+    time.sleep(rng.uniform(0.0, 0.5))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    store_dir = d / "process_0"
+    with nvme.NvmeStore(store_dir, nvme.stored_groups(store_dir), create=False) as store:
+      g = store.committed_generation
+      data = store.read_generation()
+    assert g in refs, f"trial {trial}: generation {g} beyond the reference run"
+    mu, nu = data["leaf00000_part0"], data["leaf00000_part1"]
+    assert np.array_equal(mu, refs[g][0]) and np.array_equal(nu, refs[g][1]), (
+      f"trial {trial}, generation {g}"
+    )
+    seen.append(g)
+  assert len(set(seen)) > 1, seen  # the kills landed at different steps
