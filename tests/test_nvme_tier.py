@@ -93,11 +93,12 @@ def test_second_process_on_the_same_directory_is_refused(tmp_path):
   state = tx.init(make_params())
   try:
     code = (
-      "import sys; sys.path.insert(0, %r)\n"
+      f"import sys; sys.path.insert(0, {HERE!r})\n"
       "import optax, optax_offload as oo\n"
       "from conftest import make_params\n"
-      "oo.offload(optax.adam(1e-2), window_bytes=%d, host_limit=%r, nvme_dir=%r).init(make_params())\n"
-    ) % (HERE, WINDOW, HOST_LIMIT, str(tmp_path))
+      f"oo.offload(optax.adam(1e-2), window_bytes={WINDOW}, host_limit={HOST_LIMIT!r}, "
+      f"nvme_dir={str(tmp_path)!r}).init(make_params())\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "process_0" in proc.stderr and "pid" in proc.stderr, proc.stderr[-2000:]
