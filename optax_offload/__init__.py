@@ -9,6 +9,14 @@ Examples:
   65536
 """
 
+from optax_offload._src.checkpoint import OffloadCheckpointHandler
+from optax_offload._src.checkpoint import OffloadRestore
+from optax_offload._src.checkpoint import OffloadSave
+from optax_offload._src.estimate import Bandwidths
+from optax_offload._src.estimate import Estimate
+from optax_offload._src.estimate import estimate
+from optax_offload._src.estimate import measure_bandwidths
+from optax_offload._src.grads import value_and_grad_to_host
 from optax_offload._src.nvme import NvmeCorruptionError
 from optax_offload._src.nvme import NvmeError
 from optax_offload._src.nvme import NvmeWriteError
@@ -21,6 +29,7 @@ from optax_offload._src.plan import make_plan
 from optax_offload._src.plan import parse_bytes
 from optax_offload._src.state import close_nvme
 from optax_offload._src.state import footprint
+from optax_offload._src.state import master_params
 from optax_offload._src.state import sync_nvme
 from optax_offload._src.state import to_inner
 from optax_offload._src.transform import OffloadState
@@ -29,20 +38,29 @@ from optax_offload._src.transform import offload
 __version__ = "0.1.0"
 
 __all__ = (
+  "Bandwidths",
+  "Estimate",
   "LeafInfo",
   "NvmeCorruptionError",
   "NvmeError",
   "NvmeWriteError",
+  "OffloadCheckpointHandler",
+  "OffloadRestore",
+  "OffloadSave",
   "OffloadState",
   "Plan",
   "Tier",
   "close_nvme",
   "describe_plan",
+  "estimate",
   "footprint",
   "format_bytes",
   "make_plan",
+  "master_params",
+  "measure_bandwidths",
   "offload",
   "parse_bytes",
   "sync_nvme",
   "to_inner",
+  "value_and_grad_to_host",
 )

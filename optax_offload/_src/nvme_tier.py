@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import pathlib
 import weakref
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -108,6 +109,15 @@ class NvmeTier:
 
   def bytes(self) -> int:
     return self.store.bytes_on_disk()
+
+  @property
+  def specs(self) -> dict[tuple[int, int], nvme.LeafSpec]:
+    """The `LeafSpec` of each NVMe array, keyed by (leaf index, index of the array in its part)."""
+    return dict(self._specs)
+
+  def array_path(self, key: tuple[int, int], generation: int) -> pathlib.Path:
+    """The directory of one NVMe array's zarr3 files in a committed generation (e.g. to link them)."""
+    return self.store.generation_path(generation) / nvme._leaf_dirname(self._specs[key].name)
 
   def write_group(self, plan_group: int, generation: int, parts: Mapping[int, Any]) -> None:
     """Queues one plan group's NVMe arrays of a generation (write-behind); `parts` by leaf index."""

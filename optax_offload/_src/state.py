@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 
+from optax_offload._src import master as master_lib
 from optax_offload._src import nvme_tier
 from optax_offload._src.transform import OffloadState
 
@@ -52,6 +53,29 @@ def footprint(state: Any) -> dict[str, int]:
   return totals
 
 
+def _materialized(state: OffloadState) -> Any:
+  if int(state.nvme_store) < 0:
+    return state.inner
+  return nvme_tier.lookup(state.nvme_store).materialize(state.inner, state.nvme_generation)
+
+
+def master_params(state: Any) -> Any:
+  """The master weights held by an `offload(..., master_dtype=...)` state.
+
+  Returns a params-structured tree with the master copy where the param is narrower than the
+  master dtype, and None elsewhere (NVMe-tier masters are read from the store).
+
+  Raises:
+    ValueError: when the state holds no master weights.
+  """
+  states = _offload_states(state)
+  if len(states) != 1 or not isinstance(states[0].inner, master_lib.MasterState):
+    raise ValueError(
+      "master_params needs a state of offload(..., master_dtype=...) (exactly one in the tree)."
+    )
+  return _materialized(states[0]).master
+
+
 def _offload_states(tree: Any) -> list[OffloadState]:
   return [x for x in jax.tree.leaves(tree, is_leaf=_is_offload_state) if _is_offload_state(x)]
 
@@ -59,7 +83,8 @@ def _offload_states(tree: Any) -> list[OffloadState]:
 def to_inner(state: Any, *, memory_kind: str | None = None) -> Any:
   """The plain inner optimizer state of an offloaded state.
 
-  Every `OffloadState` in the tree is replaced by its inner state, so the state of
+  Every `OffloadState` in the tree is replaced by its inner state (without master weights), so the
+  state of
   ``optax.chain(clip, offload(adamw))`` becomes a state of ``optax.chain(clip, adamw)``.
 
   Args:
@@ -83,9 +108,8 @@ def to_inner(state: Any, *, memory_kind: str | None = None) -> Any:
   def unwrap(x):
     if not _is_offload_state(x):
       return x
-    if int(x.nvme_store) < 0:
-      return x.inner
-    return nvme_tier.lookup(x.nvme_store).materialize(x.inner, x.nvme_generation)
+    inner = _materialized(x)
+    return inner.inner if isinstance(inner, master_lib.MasterState) else inner
 
   plain = jax.tree.map(unwrap, state, is_leaf=_is_offload_state)
   if memory_kind is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -15,7 +16,9 @@ import jax.numpy as jnp
 import optax
 from optax._src.base import NO_PARAMS_MSG
 
+from optax_offload._src import host_compute
 from optax_offload._src import layout as layout_lib
+from optax_offload._src import master as master_lib
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
@@ -134,9 +137,13 @@ def offload(
       ``nvme_dir/process_{i}``, one generation per step, committed atomically. The directory is
       locked by this process until `close_nvme` (or exit); `sync_nvme` waits for
       pending writes.
-    update_on: ``"device"`` streams state groups to the accelerator (``"host"`` is not implemented
-      yet).
-    master_dtype: fp32 master weights for low-precision params (not implemented yet).
+    update_on: ``"device"`` streams state groups to the accelerator and updates them there;
+      ``"host"`` runs each group's update on the host next to its state (ZeRO-Offload style): only
+      gradients go to the host and updates come back.
+    master_dtype: e.g. ``jnp.float32``: keep a master copy of every param narrower than it (bf16,
+      fp16) in the offloaded state; the inner transformation updates the master, and the returned
+      updates (in ``master_dtype``) make ``optax.apply_updates(params, updates)`` equal the master
+      rounded to the param dtype. `master_params` reads the masters.
     min_size: leaves with fewer elements keep their state on the device.
     window_bytes: most offloaded-state bytes on the device at once during ``update``; each group holds
       at most half of it (one group computes while the next is prefetched). A leaf larger than that
@@ -171,16 +178,17 @@ def offload(
   """
   if update_on not in _UPDATE_ON:
     raise ValueError(f"update_on must be one of {_UPDATE_ON}, got {update_on!r}.")
-  if update_on == "host":
-    raise NotImplementedError(
-      "update_on='host' (the host-side optimizer update, ZeRO-Offload style) is not implemented "
-      "yet; use update_on='device'."
-    )
   if master_dtype is not None:
-    raise NotImplementedError(
-      "master_dtype (fp32 master weights kept offloaded for low-precision params) is not "
-      "implemented yet; leave master_dtype=None."
-    )
+    try:
+      master_dtype = jnp.dtype(master_dtype)
+    except TypeError:
+      raise TypeError(
+        f"master_dtype must be a dtype such as jnp.float32, got {master_dtype!r}."
+      ) from None
+    if not jnp.issubdtype(master_dtype, jnp.floating):
+      raise ValueError(
+        f"master_dtype must be a floating dtype such as jnp.float32, got {master_dtype}."
+      )
   if nvme_dir is not None and not isinstance(nvme_dir, str | os.PathLike):
     raise TypeError(f"nvme_dir must be a directory path, got {type(nvme_dir).__name__}.")
   nvme_options = dict(nvme_options or {})
@@ -192,6 +200,8 @@ def offload(
     raise ValueError("window_bytes must be > 0; pass None for the default.")
 
   inner = optax.with_extra_args_support(inner)
+  if master_dtype is not None:
+    inner = master_lib.with_master_weights(inner, master_dtype)
   setups: dict[Any, _Setup] = {}
 
   def get_setup(treedef, paths, avals, shardings) -> _Setup:
@@ -242,6 +252,8 @@ def offload(
     values = [v for _, v in flat]
     avals = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in values]
     shardings = [getattr(v, "sharding", None) for v in values]
+    if master_dtype is not None:
+      master_lib.check_master_dtype(values, paths, master_dtype)
     setup = get_setup(treedef, paths, avals, shardings)
 
     def leaves_of(concrete):
@@ -300,7 +312,15 @@ def offload(
       return new_updates, state._replace(inner=new_inner)
     try:
       new_updates, new_shared, new_per_leaf, new_generation = _windowed_update(
-        inner, setup, grads, shared, per_leaf, param_leaves, extra_args, state.nvme_generation
+        inner,
+        setup,
+        grads,
+        shared,
+        per_leaf,
+        param_leaves,
+        extra_args,
+        state.nvme_generation,
+        on_host=update_on == "host",
       )
     except ValueError as e:
       if NO_PARAMS_MSG in str(e) and params is None:
@@ -400,22 +420,42 @@ def _place_array(tier: plan_lib.Tier, j: int, x: jax.Array) -> jax.Array:
   """Where a state array rests between steps."""
   del j
   if tier is plan_lib.Tier.HOST:
-    return jax.device_put(x, HOST)
+    return _to_space(x, HOST)
   if tier is plan_lib.Tier.NVME:
     return nvme_tier.placeholder(x)
   return x
 
 
-def _windowed_update(inner, setup: _Setup, grads, shared, per_leaf, params, extra_args, generation):
-  """Runs the inner update group by group through the device window.
+def _to_space(tree: Any, space: jax.memory.Space) -> Any:
+  """Moves every array not already in `space` (inside jit, an annotation; a no-op when equal)."""
 
-  Group k+1's offloaded state is brought in (prefetch) while group k computes, but only after
-  group k-1's new state has gone back to the host: an optimization barrier ties the two, so XLA
-  cannot hoist every transfer to the start of the program. At most two groups' offloaded state is
-  on the device at once. NVMe-tier arrays come in and go out through one callback each per group;
-  the store prefetches and writes behind on its own threads.
+  def move(x):
+    if getattr(jax.typeof(x), "memory_space", None) == space:
+      return x
+    return jax.device_put(x, space)
+
+  return jax.tree.map(move, tree)
+
+
+def _windowed_update(
+  inner, setup: _Setup, grads, shared, per_leaf, params, extra_args, generation, on_host
+):
+  """Runs the inner update group by group.
+
+  With ``on_host=False`` each group's offloaded state goes through the device window: group k+1 is
+  brought in (prefetch) while group k computes, but only after group k-1's new state has gone back
+  to the host; an optimization barrier ties the two, so XLA cannot hoist every transfer to the
+  start of the program. At most two groups' offloaded state is on the device at once.
+
+  With ``on_host=True`` each group's update runs on the host (``compute_on("device_host")``) next to
+  its state: the group's gradients and params go to the host, its updates come back, the state
+  never crosses the link.
+
+  NVMe-tier arrays come in and go out through one callback each per group; the store prefetches
+  and writes behind on its own threads.
   """
   layout, groups, tiers, tier = setup.layout, setup.plan.groups, setup.array_tiers, setup.nvme
+  compute_space = HOST if on_host else DEVICE
   token = generation  # threads the NVMe callbacks in program order
   has_host = [plan_lib.Tier.HOST in t for t in tiers]
 
@@ -425,9 +465,8 @@ def _windowed_update(inner, setup: _Setup, grads, shared, per_leaf, params, extr
       fetched, token = tier.fetch(k, token)
 
     def load(t, j, x, i):
-      if t is plan_lib.Tier.HOST:
-        return jax.device_put(x, DEVICE)
-      return fetched[(i, j)] if t is plan_lib.Tier.NVME else x
+      x = fetched[(i, j)] if t is plan_lib.Tier.NVME else x
+      return _to_space(x, compute_space)
 
     out = {
       i: _map_arrays(parts[i], tiers[i], lambda t, j, x, i=i: load(t, j, x, i)) for i in groups[k]
@@ -437,8 +476,21 @@ def _windowed_update(inner, setup: _Setup, grads, shared, per_leaf, params, extr
   def send_out(k, parts, token):
     if tier is not None and k in tier.groups:
       token = tier.put(k, token, parts)
-    return {i: _map_arrays(p, tiers[i], _place_array) for i, p in parts.items()}, token
 
+    def place(t, j, x):
+      return _place_array(t, j, x) if t is not plan_lib.Tier.DEVICE else _to_space(x, DEVICE)
+
+    return {i: _map_arrays(p, tiers[i], place) for i, p in parts.items()}, token
+
+  def group_update(group, grads_, state_, params_):
+    return inner.update(
+      layout.masked(grads_, group),
+      state_,
+      None if params_ is None else layout.masked(params_, group),
+      **extra_args,
+    )
+
+  shared_in = _to_space(shared, compute_space)
   new_shared, new_per_leaf, new_updates = None, {}, [None] * layout.num_leaves
   current, token = bring_in(0, per_leaf, token)
   sent_back: dict[int, Any] = {}  # previous group's new host parts
@@ -446,18 +498,28 @@ def _windowed_update(inner, setup: _Setup, grads, shared, per_leaf, params, extr
     upcoming = None
     if k + 1 < len(groups):
       nxt = {i: per_leaf[i] for i in groups[k + 1]}
-      if sent_back:
+      if sent_back and not on_host:
         (nxt, token), sent_back = jax.lax.optimization_barrier(((nxt, token), sent_back))
         new_per_leaf.update(sent_back)
       upcoming, token = bring_in(k + 1, nxt, token)
-    u, s = inner.update(
-      layout.masked(grads, group),
-      layout.view(shared, current, group),
-      None if params is None else layout.masked(params, group),
-      **extra_args,
-    )
+    members = set(group)
+    group_grads = [
+      _to_space(g, compute_space) if i in members else None for i, g in enumerate(grads)
+    ]
+    group_params = None
+    if params is not None:
+      group_params = [
+        _to_space(p, compute_space) if i in members else None for i, p in enumerate(params)
+      ]
+    state_view = layout.view(shared_in, current, group)
+    if on_host:
+      update = functools.partial(group_update, group)
+      u, s = host_compute.run_on_host(update, group_grads, state_view, group_params)
+      u = _to_space(u, DEVICE)
+    else:
+      u, s = group_update(group, group_grads, state_view, group_params)
     group_shared, group_parts = layout.unview(s, group)
-    new_shared = group_shared if new_shared is None else new_shared
+    new_shared = _to_space(group_shared, DEVICE) if new_shared is None else new_shared
     for i, leaf in zip(group, layout.group_leaves(u, group)):
       new_updates[i] = leaf
     group_parts, token = send_out(k, group_parts, token)

@@ -1,0 +1,596 @@
+"""Orbax checkpoints of offloaded optimizer states, the NVMe tier included.
+
+`OffloadSave` and `OffloadRestore` are Orbax `CheckpointArgs` handled by `OffloadCheckpointHandler`;
+use them as an item of ``ocp.args.Composite`` with a ``CheckpointManager``, as ``ocp.args.StandardSave``
+is used for parameters.
+
+The checkpoint does not depend on where the state lived: it holds the *plain* inner optimizer state
+(what `to_inner` returns), so it restores into any placement (device, host, NVMe, another
+``host_limit``, another ``nvme_dir``, plain optax). In the Orbax item directory::
+
+  <item>/_METADATA, manifest.ocdbt, ocdbt.process_0/, ...   PyTreeCheckpointHandler: the plain state;
+                                                           NVMe-tier arrays are ocp.PLACEHOLDER there
+  <item>/optax_offload/process_0/manifest.json             every array: path, shape, dtype, NVMe file
+  <item>/optax_offload/process_0/store_0/leaf00004_part0/  an NVMe-tier array: the store's zarr3 files
+                                                           (crc32c per chunk), hard-linked or copied
+
+NVMe-tier arrays are not read at save time: the generation the state names is pinned in its store
+(`NvmeStore.pin`), and its files, immutable once committed, are hard-linked into the checkpoint
+(zero copy), or copied when the checkpoint is on another filesystem. Deleting ``nvme_dir`` afterwards
+loses nothing: a hard link is a name of the same data. On restore, NVMe-tier arrays of the target are
+written into its store as a new generation, one store group at a time, and device and host arrays are
+restored by Orbax straight into the target's shardings (``pinned_host`` included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import json
+import logging
+import os
+import pathlib
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+from optax_offload._src import nvme
+from optax_offload._src import nvme_tier
+from optax_offload._src.transform import OffloadState
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "optax_offload.checkpoint"
+FORMAT_VERSION = 1
+SUBDIR = "optax_offload"
+"""Directory of the offload-specific files inside the Orbax item directory."""
+_MANIFEST = "manifest.json"
+# Failures of os.link that mean "links are not possible here" (another filesystem, no hard links).
+_NO_LINK_ERRNOS = frozenset(
+  {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+)
+_TS_CONTEXT = {"cache_pool": {"total_bytes_limit": 0}, "file_io_concurrency": {"limit": 32}}
+
+
+# ------------------------------------------------------------------------------------------------
+# The plain view of a state.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _NvmeRef:
+  """Stands for an NVMe-tier array in the plain state (a pytree leaf)."""
+
+  store: int  # index of its OffloadState among the tree's OffloadStates
+  key: tuple[int, int]  # (leaf index, array index) in the NvmeTier
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  placeholder: Any  # what the OffloadState holds in its place
+
+
+def _is_offload_state(x: Any) -> bool:
+  return isinstance(x, OffloadState)
+
+
+def _is_ref(x: Any) -> bool:
+  return isinstance(x, _NvmeRef)
+
+
+@dataclasses.dataclass
+class _Plain:
+  """A state seen as its plain inner state, with `_NvmeRef` leaves for NVMe-tier arrays."""
+
+  outer_def: Any  # tree structure with each OffloadState as a leaf
+  outer: list[Any]  # its leaves: arrays and OffloadStates
+  states: list[OffloadState]  # the OffloadStates, in tree order
+  tiers: list[nvme_tier.NvmeTier | None]  # their NVMe tiers
+  plain_def: Any  # structure of the plain state (`_NvmeRef` are leaves)
+  paths: list[str]
+  leaves: list[Any]
+
+
+def _tier_of(state: OffloadState) -> nvme_tier.NvmeTier | None:
+  if not isinstance(state.nvme_store, jax.Array | np.ndarray | int):
+    raise TypeError(
+      "optax_offload checkpoints need a concrete optimizer state (the one tx.init(params) or "
+      f"tx.update returned), got {type(state.nvme_store).__name__} in OffloadState.nvme_store."
+    )
+  if int(np.asarray(state.nvme_store)) < 0:
+    return None
+  return nvme_tier.lookup(state.nvme_store)
+
+
+def _with_refs(inner: Any, tier: nvme_tier.NvmeTier, k: int) -> Any:
+  shared, per_leaf = tier.layout.split(inner)
+  specs = tier.specs
+
+  def refs(i, part):
+    arrays, treedef = jax.tree.flatten(part)
+    out = []
+    for j, x in enumerate(arrays):
+      spec = specs.get((i, j))
+      out.append(x if spec is None else _NvmeRef(k, (i, j), spec.shape, spec.dtype, x))
+    return treedef.unflatten(out)
+
+  return tier.layout.merge(shared, [refs(i, part) for i, part in enumerate(per_leaf)])
+
+
+def _decompose(state: Any) -> _Plain:
+  outer, outer_def = jax.tree.flatten(state, is_leaf=_is_offload_state)
+  states, tiers, inners = [], [], []
+  for x in outer:
+    if not _is_offload_state(x):
+      inners.append(x)
+      continue
+    tier = _tier_of(x)
+    inners.append(x.inner if tier is None else _with_refs(x.inner, tier, len(states)))
+    states.append(x)
+    tiers.append(tier)
+  flat, plain_def = jax.tree_util.tree_flatten_with_path(
+    outer_def.unflatten(inners), is_leaf=_is_ref
+  )
+  paths = [jax.tree_util.keystr(p) or "<root>" for p, _ in flat]
+  return _Plain(outer_def, outer, states, tiers, plain_def, paths, [x for _, x in flat])
+
+
+def _shape_dtype(x: Any) -> tuple[tuple[int, ...], str]:
+  if _is_ref(x):
+    return tuple(x.shape), np.dtype(x.dtype).name
+  dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+  return tuple(int(d) for d in np.shape(x)), np.dtype(dtype).name
+
+
+# ------------------------------------------------------------------------------------------------
+# Files.
+
+
+def _fsync(path: str | os.PathLike, directory: bool = False) -> None:
+  fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _copy_file(src: str, dst: pathlib.Path) -> None:
+  shutil.copyfile(src, dst)
+  _fsync(dst)
+
+
+def _link_tree(src: pathlib.Path, dst: pathlib.Path, link: bool) -> str:
+  """Hard-links (or copies) every file under `src` into `dst`; returns "link" or "copy"."""
+  if not src.is_dir():
+    raise nvme.NvmeCorruptionError(f"NVMe array directory {src} is missing.")
+  mode = "link" if link else "copy"
+  made = []
+
+  def fail(e):
+    raise e
+
+  for dirpath, _, filenames in os.walk(src, onerror=fail):
+    out = dst / os.path.relpath(dirpath, src)
+    out.mkdir(parents=True, exist_ok=True)
+    made.append(out)
+    for name in filenames:
+      source = os.path.join(dirpath, name)
+      if mode == "link":
+        try:
+          os.link(source, out / name)
+          continue
+        except OSError as e:
+          if e.errno not in _NO_LINK_ERRNOS:
+            raise
+          logger.info("optax_offload checkpoint: cannot hard-link %s (%s); copying.", source, e)
+          mode = "copy"
+      _copy_file(source, out / name)
+  for d in reversed(made):
+    _fsync(d, directory=True)
+  _fsync(dst.parent, directory=True)
+  return mode
+
+
+def _write_json(path: pathlib.Path, doc: dict[str, Any]) -> None:
+  tmp = path.with_name(path.name + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(doc, f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  _fsync(path.parent, directory=True)
+
+
+def _process_dir(directory: Any) -> pathlib.Path:
+  return pathlib.Path(os.fspath(directory)) / SUBDIR / f"process_{jax.process_index()}"
+
+
+def _read_manifest(directory: Any) -> dict[str, Any]:
+  path = _process_dir(directory) / _MANIFEST
+  if not path.exists():
+    raise FileNotFoundError(
+      f"{directory} is not a complete optax_offload checkpoint item: {path} is missing. Save "
+      "optimizer states with oo.OffloadSave and restore them with oo.OffloadRestore."
+    )
+  try:
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+      raise ValueError(f"format {manifest.get('format')!r} is not {FORMAT!r}")
+    if int(manifest["version"]) > FORMAT_VERSION:
+      raise ValueError(
+        f"version {manifest['version']} is newer than this optax_offload ({FORMAT_VERSION})"
+      )
+    manifest["arrays"] = list(manifest["arrays"])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise nvme.NvmeCorruptionError(f"checkpoint manifest {path} cannot be read: {e}") from e
+  return manifest
+
+
+def _read_array(path: pathlib.Path, shape: tuple[int, ...], dtype: np.dtype, context) -> np.ndarray:
+  """Reads one NVMe-tier array of a checkpoint, checksums verified."""
+  spec = {
+    "driver": "zarr3",
+    "kvstore": {"driver": "file", "path": str(path).rstrip("/") + "/"},
+    "open": True,
+    "fill_missing_data_reads": False,
+  }
+  try:
+    store = ts.open(spec, read=True, context=context).result()
+    if tuple(store.domain.shape) != tuple(shape):
+      raise ValueError(f"its shape is {list(store.domain.shape)}, expected {list(shape)}")
+    data = store.read().result()
+  except Exception as e:  # TensorStore reports missing and corrupt files as ValueError and others.
+    raise nvme.NvmeCorruptionError(
+      f"NVMe data of the checkpoint at {path} failed verification: {e}"
+    ) from e
+  if data.dtype != dtype:
+    if data.dtype.itemsize != dtype.itemsize:
+      raise nvme.NvmeCorruptionError(
+        f"NVMe data of the checkpoint at {path} is {data.dtype}, expected {dtype}."
+      )
+    data = data.view(dtype)  # the store keeps dtypes zarr3 lacks as unsigned ints of that width
+  return data
+
+
+# ------------------------------------------------------------------------------------------------
+# The handler.
+
+
+@dataclasses.dataclass
+class _SavePlan:
+  item: Any  # the plain state for PyTreeCheckpointHandler, NVMe arrays as ocp.PLACEHOLDER
+  has_pytree: bool
+  arrays: list[dict[str, Any]]
+  sources: list[tuple[pathlib.Path, str]]  # (generation's array directory, name in the checkpoint)
+  pinned: list[tuple[nvme.NvmeStore, int]]
+  started: bool = False  # whether the background part ran (it unpins); else `_release_if_dropped`
+
+
+def _unpin(pinned: Sequence[tuple[nvme.NvmeStore, int]]) -> None:
+  for store, generation in pinned:
+    try:
+      store.unpin(generation)
+    except (RuntimeError, ValueError, nvme.NvmeError) as e:  # closed store, failed store
+      logger.warning(
+        "optax_offload checkpoint: could not unpin generation %d of %s: %s",
+        generation,
+        store.directory,
+        e,
+      )
+
+
+def _release_if_dropped(future: Any, plan: _SavePlan) -> None:
+  """Unpins when Orbax gives up on a save before its background part ran.
+
+  Orbax waits for the checkpoint directory to be created before running a handler's background
+  part; when creating it fails (read-only or full filesystem), that part never runs, and would
+  otherwise leave the generation pinned.
+  """
+  try:
+    future.result()
+  except BaseException as e:  # The save failed; Orbax reports it to the caller.
+    logger.debug("optax_offload checkpoint: save failed: %s", e)
+  if not plan.started:
+    _unpin(plan.pinned)
+
+
+class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
+  """Orbax handler for optimizer states holding `OffloadState`s (anywhere in the tree).
+
+  Use it through its args, `OffloadSave` and `OffloadRestore` (registered with it, so
+  ``ocp.args.Composite`` finds it), or pass an instance in ``item_handlers`` to configure it.
+  Device and host arrays are written by Orbax's ``PyTreeCheckpointHandler``; NVMe-tier arrays are
+  hard-linked from the store (or copied when ``link=False`` or linking is impossible).
+
+  Args:
+    link: hard-link the NVMe tier's files into the checkpoint where the filesystem allows it.
+    **pytree_kwargs: passed to ``ocp.PyTreeCheckpointHandler`` (e.g. ``use_ocdbt``).
+  """
+
+  def __init__(self, *, link: bool = True, **pytree_kwargs):
+    self._link = link
+    self._pytree = ocp.PyTreeCheckpointHandler(**pytree_kwargs)
+
+  # -- save ---------------------------------------------------------------------------------------
+
+  def _plan_save(self, state: Any) -> _SavePlan:
+    plain = _decompose(state)
+    pinned = []
+    try:
+      generations = {}
+      for k, (s, tier) in enumerate(zip(plain.states, plain.tiers)):
+        if tier is None:
+          continue
+        generation = int(np.asarray(s.nvme_generation))  # waits for the step that made it
+        try:
+          tier.store.pin(generation)
+        except ValueError as e:
+          raise ValueError(
+            f"Cannot save this optimizer state: the NVMe generation {generation} it names is no "
+            f"longer in {tier.store.directory} (the store keeps the last two). Save the state the "
+            f"latest update returned. ({e})"
+          ) from None
+        pinned.append((tier.store, generation))
+        generations[k] = generation
+      arrays, sources, item_leaves = [], [], []
+      for path, x in zip(plain.paths, plain.leaves):
+        shape, dtype = _shape_dtype(x)
+        entry = {"path": path, "shape": list(shape), "dtype": dtype, "nvme": None}
+        if _is_ref(x):
+          tier = plain.tiers[x.store]
+          src = tier.array_path(x.key, generations[x.store])
+          entry["nvme"] = f"store_{x.store}/{src.name}"
+          sources.append((src, entry["nvme"]))
+          item_leaves.append(ocp.PLACEHOLDER)
+        else:
+          item_leaves.append(x)
+        arrays.append(entry)
+    except BaseException:
+      _unpin(pinned)
+      raise
+    has_pytree = any(leaf is not ocp.PLACEHOLDER for leaf in item_leaves)
+    item = plain.plain_def.unflatten(item_leaves)
+    return _SavePlan(item, has_pytree, arrays, sources, pinned)
+
+  def _write_nvme(self, directory: Any, plan: _SavePlan) -> None:
+    plan.started = True
+    try:
+      root = _process_dir(directory)
+      root.mkdir(parents=True, exist_ok=True)
+      start, modes = time.perf_counter(), set()
+      for src, name in plan.sources:
+        modes.add(_link_tree(src, root / name, self._link))
+      transfer = "copy" if "copy" in modes else ("link" if modes else None)
+      manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "pytree": plan.has_pytree,
+        "nvme_transfer": transfer,
+        "arrays": plan.arrays,
+      }
+      _write_json(root / _MANIFEST, manifest)
+      _fsync(root.parent, directory=True)
+      logger.info(
+        "optax_offload checkpoint %s: %d NVMe arrays %s in %.3fs.",
+        directory,
+        len(plan.sources),
+        {"link": "linked", "copy": "copied", None: "saved"}[transfer],
+        time.perf_counter() - start,
+      )
+    finally:
+      _unpin(plan.pinned)
+
+  async def async_save(self, directory: Any, args: OffloadSave) -> list[Any] | None:
+    """Starts saving `args.item`; returns the futures that complete it.
+
+    Device and host arrays are copied before this returns (as Orbax does); NVMe generations are
+    pinned until their files are linked (or copied) into the checkpoint.
+    """
+    plan = self._plan_save(args.item)
+    try:
+      futures = []
+      if plan.has_pytree:
+        futures += (
+          await self._pytree.async_save(directory, args=ocp.args.PyTreeSave(item=plan.item)) or []
+        )
+    except BaseException:
+      _unpin(plan.pinned)
+      raise
+
+    async def write_nvme():
+      await asyncio.to_thread(self._write_nvme, directory, plan)
+
+    future = ocp.future.CommitFutureAwaitingContractedSignals(
+      write_nvme(), name="optax_offload_nvme"
+    )
+    if plan.pinned:
+      threading.Thread(
+        target=_release_if_dropped, args=(future, plan), name="optax_offload_unpin", daemon=True
+      ).start()
+    return [*futures, future]
+
+  def save(self, directory: Any, args: OffloadSave) -> None:
+    """Saves `args.item` synchronously."""
+
+    async def run():
+      for f in await self.async_save(directory, args) or []:
+        f.result()
+
+    asyncio.run(run())
+
+  def finalize(self, directory: Any) -> None:
+    if any(pathlib.Path(os.fspath(directory)).glob("ocdbt.process_*")):
+      self._pytree.finalize(directory)
+
+  # -- restore ------------------------------------------------------------------------------------
+
+  def restore(self, directory: Any, args: OffloadRestore | None = None) -> Any:
+    """Restores into the placement of ``args.item``; see `OffloadRestore`."""
+    if args is None or args.item is None:
+      raise ValueError(
+        "OffloadRestore needs the target state: oo.OffloadRestore(tx.init(params)), made by the "
+        "offload transformation (and nvme_dir) that is to hold the restored state."
+      )
+    manifest = _read_manifest(directory)
+    target = _decompose(args.item)
+    saved = _check_matches(manifest, target, directory)
+    context = ts.Context(_TS_CONTEXT)
+    root = _process_dir(directory)
+    values = list(target.leaves)
+    in_memory = [n for n, x in enumerate(target.leaves) if not _is_ref(x)]
+    from_pytree = [n for n in in_memory if saved[target.paths[n]]["nvme"] is None]
+    if from_pytree:
+      values = self._restore_pytree(directory, target, from_pytree, values, numpy=False)
+    for n in in_memory:
+      entry = saved[target.paths[n]]
+      if entry["nvme"] is not None:
+        x = target.leaves[n]
+        data = _read_array(root / entry["nvme"], x.shape, np.dtype(x.dtype), context)
+        values[n] = jax.device_put(data, x.sharding) if hasattr(x, "sharding") else data
+    generations = {}
+    for k, tier in enumerate(target.tiers):
+      if tier is not None:
+        generations[k] = self._restore_store(directory, target, saved, k, tier, context)
+    values = [x.placeholder if _is_ref(x) else v for x, v in zip(target.leaves, values)]
+    parts = target.outer_def.flatten_up_to(target.plain_def.unflatten(values))
+    out, k = [], 0
+    for x, part in zip(target.outer, parts):
+      if not _is_offload_state(x):
+        out.append(part)
+        continue
+      generation = x.nvme_generation
+      if k in generations:
+        sharding = getattr(generation, "sharding", None)
+        generation = jax.device_put(np.asarray(generations[k], np.int32), sharding)
+      out.append(OffloadState(part, x.nvme_store, generation))
+      k += 1
+    return target.outer_def.unflatten(out)
+
+  def _restore_pytree(self, directory, target: _Plain, indices, values, numpy: bool) -> list[Any]:
+    """Restores the plain leaves `indices` with Orbax (into their target shardings, or as numpy)."""
+    wanted = set(indices)
+    items, restore_args = [], []
+    for n, x in enumerate(target.leaves):
+      if n not in wanted:
+        items.append(ocp.PLACEHOLDER)
+        restore_args.append(ocp.RestoreArgs())
+        continue
+      shape, dtype = _shape_dtype(x)
+      sharding = None if numpy or _is_ref(x) else getattr(x, "sharding", None)
+      if sharding is None:
+        items.append(jax.ShapeDtypeStruct(shape, dtype))
+        restore_args.append(ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.dtype(dtype)))
+      else:
+        items.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+        restore_args.append(
+          ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
+        )
+    restored = self._pytree.restore(
+      directory,
+      args=ocp.args.PyTreeRestore(
+        item=target.plain_def.unflatten(items),
+        restore_args=target.plain_def.unflatten(restore_args),
+      ),
+    )
+    flat = target.plain_def.flatten_up_to(restored)
+    return [flat[n] if n in wanted else v for n, v in enumerate(values)]
+
+  def _restore_store(self, directory, target: _Plain, saved, k: int, tier, context) -> int:
+    """Writes the target store's arrays as a new generation, one store group at a time."""
+    store = tier.store
+    store.sync()
+    generation = store.committed_generation + 1
+    where = {x.key: n for n, x in enumerate(target.leaves) if _is_ref(x) and x.store == k}
+    key_of = {spec.name: key for key, spec in tier.specs.items()}
+    root = _process_dir(directory)
+    for group, specs in enumerate(store.groups):
+      members = [where[key_of[spec.name]] for spec in specs]
+      arrays: dict[int, Any] = {}
+      from_pytree = [n for n in members if saved[target.paths[n]]["nvme"] is None]
+      if from_pytree:
+        flat = self._restore_pytree(
+          directory, target, from_pytree, [None] * len(target.leaves), numpy=True
+        )
+        arrays.update({n: np.asarray(flat[n]) for n in from_pytree})
+      for n in members:
+        if n not in arrays:
+          ref = target.leaves[n]
+          path = root / saved[target.paths[n]]["nvme"]
+          arrays[n] = _read_array(path, ref.shape, np.dtype(ref.dtype), context)
+      store.put(group, generation, [arrays[n] for n in members])
+    store.commit(generation)
+    store.sync()
+    logger.info("optax_offload checkpoint %s: restored into %s.", directory, store)
+    return generation
+
+  def metadata(self, directory: Any) -> dict[str, Any] | None:
+    """The checkpoint's manifest: every array's path, shape, dtype and NVMe file (or None)."""
+    try:
+      return _read_manifest(directory)
+    except FileNotFoundError:
+      return None
+
+  def close(self) -> None:
+    self._pytree.close()
+
+
+def _check_matches(manifest: dict[str, Any], target: _Plain, directory: Any) -> dict[str, Any]:
+  """The manifest's arrays by path; raises when they do not match the target's."""
+  saved = {e["path"]: e for e in manifest["arrays"]}
+  want = {p: _shape_dtype(x) for p, x in zip(target.paths, target.leaves)}
+  have = {p: (tuple(e["shape"]), e["dtype"]) for p, e in saved.items()}
+  problems = []
+  only_saved = [p for p in have if p not in want]
+  only_target = [p for p in want if p not in have]
+  differ = [p for p in want if p in have and have[p] != want[p]]
+  if only_saved:
+    problems.append(f"only in the checkpoint: {', '.join(only_saved[:5])}")
+  if only_target:
+    problems.append(f"only in the target: {', '.join(only_target[:5])}")
+  for p in differ[:5]:
+    (hs, hd), (ws, wd) = have[p], want[p]
+    problems.append(f"{p} is {hd}{list(hs)} in the checkpoint but {wd}{list(ws)} in the target")
+  if problems:
+    raise ValueError(
+      f"The optimizer state in {directory} does not match the restore target: "
+      f"{'; '.join(problems)}. Restore into tx.init(params) of the same optimizer and a parameter "
+      "tree of the same structure, shapes and dtypes."
+    )
+  return saved
+
+
+@ocp.args.register_with_handler(OffloadCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class OffloadSave(ocp.args.CheckpointArgs):
+  """Saves an optimizer state with offloaded parts, as ``ocp.args.StandardSave`` saves a pytree.
+
+  The state may hold `OffloadState`s anywhere (``optax.chain``, ``optax.MultiSteps``, ...) or none.
+  NVMe-tier data is hard-linked into the checkpoint (copied across filesystems).
+
+  Attributes:
+    item: the optimizer state, as ``tx.init`` or ``tx.update`` returned it.
+  """
+
+  item: Any
+
+
+@ocp.args.register_with_handler(OffloadCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class OffloadRestore(ocp.args.CheckpointArgs):
+  """Restores an optimizer state into the placement of a target state.
+
+  Every array comes back where the target keeps it: device and ``pinned_host`` arrays in the
+  target's shardings, NVMe-tier arrays as a new generation of the target's store. The checkpoint
+  may come from another placement (another ``host_limit``, ``nvme_dir``, or plain optax).
+
+  Attributes:
+    item: the target, ``tx.init(params)`` of the offload transformation that is to hold the
+      restored state; it also tells the tree structure, shapes and dtypes to expect.
+  """
+
+  item: Any

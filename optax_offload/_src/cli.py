@@ -1,0 +1,147 @@
+"""The ``python -m optax_offload`` command.
+
+``plan``: bytes per tier for a model, whether they fit, and a step-time lower bound (see `estimate`).
+Exit status: 0 when the plan fits, 1 when it does not, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+from optax_offload._src import estimate as estimate_lib
+from optax_offload._src.plan import parse_bytes
+
+_EPILOG = """\
+examples:
+  python -m optax_offload plan 7B --param-dtype bf16 --master-dtype fp32 \\
+      --device-memory 24GiB --host-limit 64GiB --nvme-dir /nvme/run1
+  python -m optax_offload plan 1.3e9 --optimizer lion --measure --nvme-dir /nvme/run1
+
+sizes take a unit: 24GiB = 24 * 2**30 bytes, 24GB = 24 * 10**9 bytes. Bandwidths are bytes per
+second (25GB = 25 * 10**9 B/s). A bare parameter count is one aggregate: every parameter in a leaf
+of at least min_size elements; the Python API (optax_offload.estimate) takes shapes or a Flax model.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="python -m optax_offload", description="optax_offload command-line tools."
+  )
+  from optax_offload import __version__
+
+  parser.add_argument("--version", action="version", version=f"optax_offload {__version__}")
+  sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+  p = sub.add_parser(
+    "plan",
+    help="bytes per tier, whether they fit, and a step-time lower bound",
+    description=(
+      "Where offload() puts a model's optimizer state (device, pinned host, NVMe), whether it fits, "
+      "and the fastest a step can be given the link and disk bandwidths."
+    ),
+    epilog=_EPILOG,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument("params", help="parameter count: 7e9, 7B, 1.3B, 350M (B = billion params)")
+  opt = p.add_argument
+  opt(
+    "--param-dtype",
+    default="fp32",
+    metavar="DTYPE",
+    help="params and grads: fp32 (default), bf16, fp16",
+  )
+  opt(
+    "--optimizer",
+    default="adamw",
+    metavar="NAME",
+    help=f"one of {', '.join(estimate_lib.OPTIMIZERS)} (default adamw)",
+  )
+  opt(
+    "--master-dtype",
+    metavar="DTYPE",
+    help="offloaded master copy of narrower params, e.g. fp32 with --param-dtype bf16",
+  )
+  opt("--update-on", default="device", choices=("device", "host"), help="default device")
+  opt(
+    "--device-memory",
+    metavar="SIZE",
+    help="device memory JAX may use, e.g. 24GiB (JAX takes 75%% of a GPU by default); "
+    "unchecked if omitted",
+  )
+  opt("--host-limit", metavar="SIZE", help="pinned-host budget, e.g. 64GiB; none if omitted")
+  opt("--nvme-dir", metavar="DIR", help="NVMe tier directory (its free space is checked)")
+  opt("--nvme-size", metavar="SIZE", help="disk space for the NVMe tier, e.g. 2TB")
+  opt("--window-bytes", metavar="SIZE", help="default 10%% of --device-memory, or 1GiB")
+  opt("--activations", default="0", metavar="SIZE", help="activation bytes to add on the device")
+  bw = p.add_argument_group("bandwidths (bytes per second)").add_argument
+  bw("--link-bandwidth", metavar="BPS", help="host<->device, one way (default 25GB)")
+  bw("--nvme-read-bandwidth", metavar="BPS", help="default 3GB")
+  bw("--nvme-write-bandwidth", metavar="BPS", help="default 2GB")
+  bw("--host-memory-bandwidth", metavar="BPS", help="for --update-on host (default 40GB)")
+  bw(
+    "--measure",
+    action="store_true",
+    help="time a host<->device copy and, with --nvme-dir, the disk (overrides the defaults)",
+  )
+  bw("--measure-bytes", default="256MiB", metavar="SIZE", help="size of each measured transfer")
+  p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+  return parser
+
+
+def _bandwidths(args: argparse.Namespace) -> estimate_lib.Bandwidths:
+  given = {}
+  for field, flag in (
+    ("link", "link_bandwidth"),
+    ("nvme_read", "nvme_read_bandwidth"),
+    ("nvme_write", "nvme_write_bandwidth"),
+    ("host_memory", "host_memory_bandwidth"),
+  ):
+    value = parse_bytes(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if value is not None:
+      if value == 0:
+        raise ValueError(f"--{flag.replace('_', '-')} must be > 0.")
+      given[field] = float(value)
+  base = estimate_lib.Bandwidths(**given)
+  if not args.measure:
+    return base
+  measured = estimate_lib.measure_bandwidths(args.nvme_dir, nbytes=args.measure_bytes, base=base)
+  # A bandwidth given on the command line wins over a measured one.
+  kept = tuple(m for m in measured.measured if m not in given)
+  return dataclasses.replace(measured, **given, measured=kept)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the command line; returns the exit status (0 fits, 1 does not fit, 2 bad arguments)."""
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if args.command != "plan":  # argparse rejects unknown commands; kept for new ones
+    parser.error(f"unknown command {args.command!r}")
+  try:
+    result = estimate_lib.estimate(
+      args.params,
+      optimizer=args.optimizer,
+      param_dtype=args.param_dtype,
+      master_dtype=args.master_dtype,
+      update_on=args.update_on,
+      device_memory=args.device_memory,
+      host_limit=args.host_limit,
+      nvme_dir=args.nvme_dir,
+      nvme_size=args.nvme_size,
+      window_bytes=args.window_bytes,
+      activation_bytes=args.activations,
+      bandwidths=_bandwidths(args),
+    )
+  except (ValueError, TypeError, OSError) as e:
+    parser.exit(2, f"{parser.prog} plan: error: {e}\n")
+  if args.json:
+    print(json.dumps(result.to_dict(), indent=2))
+  else:
+    print(result)
+  return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

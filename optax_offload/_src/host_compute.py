@@ -1,0 +1,88 @@
+"""Running a function on the host, next to host-memory arrays: ``compute_on("device_host")``.
+
+JAX types every array with a memory space and refuses an op whose operands sit in different
+spaces. Inside a host computation that bites on constants: ``jnp.ones_like(x)`` or ``jnp.where``
+on a host array builds a *device*-typed constant (optax's adafactor, adagrad, lamb, lars, sm3 all
+do). `run_on_host` therefore traces the function on device-typed stand-ins (where every op is well
+typed), then replays the jaxpr equation by equation on the host arrays inside
+``compute_on("device_host")``, moving any device-typed operand (a constant built inside) to host
+memory before the op that mixes it in. The arithmetic is the function's own; only placement changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax._src import core
+from jax.experimental.compute_on import compute_on
+
+HOST = jax.memory.Space.Host
+
+# Call-like primitives whose body is replayed inline (their first closed-jaxpr parameter).
+_INLINE = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat")
+
+
+def _space(x: Any):
+  return (
+    getattr(jax.typeof(x), "memory_space", None) if isinstance(x, jax.Array | core.Tracer) else None
+  )
+
+
+def _replay(closed: core.ClosedJaxpr, *args: Any) -> list[Any]:
+  jaxpr = closed.jaxpr
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, core.Literal) else env[v]
+
+  for v, c in zip(jaxpr.constvars, closed.consts):
+    env[v] = c
+  for v, a in zip(jaxpr.invars, args):
+    env[v] = a
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    body = None
+    if eqn.primitive.name in _INLINE:
+      body = next((p for p in eqn.params.values() if isinstance(p, core.ClosedJaxpr)), None)
+    if body is not None:
+      outvals = _replay(body, *invals)
+    else:
+      spaces = {_space(x) for x in invals} - {None}
+      if HOST in spaces and len(spaces) > 1:
+        invals = [jax.device_put(x, HOST) if _space(x) not in (None, HOST) else x for x in invals]
+      params = eqn.primitive.get_bind_params(eqn.params)
+      outvals = eqn.primitive.bind(*invals, **params)
+      if not eqn.primitive.multiple_results:
+        outvals = [outvals]
+    for v, val in zip(eqn.outvars, outvals):
+      env[v] = val
+  return [read(v) for v in jaxpr.outvars]
+
+
+def run_on_host(fn: Callable[..., Any], *args: Any) -> Any:
+  """Runs ``fn(*args)`` as a host computation, for arguments in host memory.
+
+  Args:
+    fn: a JAX-traceable function of pytrees of arrays.
+    *args: its arguments, every array already in host memory (``jax.memory.Space.Host``).
+
+  Returns:
+    ``fn(*args)``; arrays computed from host inputs are host-typed.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.device_put(jnp.arange(4.0), jax.memory.Space.Host)
+    >>> y = jax.jit(lambda x: run_on_host(lambda x: jnp.where(x > 1, jnp.ones_like(x), x), x))(x)
+    >>> y.tolist(), y.sharding.memory_kind
+    ([0.0, 1.0, 1.0, 1.0], 'pinned_host')
+  """
+  flat, treedef = jax.tree.flatten(args)
+  stand_ins = [jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)) for x in flat]
+  closed, out_shape = jax.make_jaxpr(lambda *f: fn(*treedef.unflatten(f)), return_shape=True)(
+    *stand_ins
+  )
+  with compute_on("device_host"):
+    out = jax.jit(lambda *f: _replay(closed, *f))(*flat)
+  return jax.tree.unflatten(jax.tree.structure(out_shape), out)

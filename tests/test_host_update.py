@@ -1,0 +1,270 @@
+"""update_on="host", master weights, and gradients that leave the device during backward."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+from conftest import bits_equal
+from conftest import make_grads
+from conftest import make_params
+from conftest import train
+
+import optax_offload as oo
+
+WINDOW = 100_000
+
+_OPTIMIZERS = (
+  ("adamw", lambda: optax.adamw(1e-2, weight_decay=1e-2)),
+  ("adam", lambda: optax.adam(1e-2)),
+  ("lion", lambda: optax.lion(1e-3)),
+  ("sgd_momentum", lambda: optax.sgd(1e-2, momentum=0.9)),
+  ("adafactor", lambda: optax.adafactor(1e-2)),  # builds constants with jnp.where/ones_like
+  ("lamb", lambda: optax.lamb(1e-2)),
+)
+
+
+@pytest.mark.parametrize("name,make", _OPTIMIZERS, ids=[o[0] for o in _OPTIMIZERS])
+def test_host_update_equals_device_update_bit_for_bit(name, make):
+  params = make_params()
+  dev_params, dev_state = train(oo.offload(make(), window_bytes=WINDOW), params, 20, donate=True)
+  tx = oo.offload(make(), window_bytes=WINDOW, update_on="host")
+  host_params, host_state = train(tx, params, 20, donate=True)
+  assert bits_equal(dev_params, host_params), name
+  assert bits_equal(oo.to_inner(dev_state), oo.to_inner(host_state)), name
+  plain_params, _ = train(make(), params, 20)
+  assert_close(plain_params, host_params)
+  # The state never left the host.
+  assert oo.footprint(host_state)["host"] == oo.footprint(dev_state)["host"]
+
+
+def test_host_update_eager_matches_within_tolerance():
+  # Eagerly, device mode runs op by op while the host update is one compiled program per group, so
+  # XLA's fusion (and the Adam bias-correction power) may differ by ulps: the numerics rule applies.
+  params = make_params()
+  dev_params, _ = train(oo.offload(optax.adamw(1e-2), window_bytes=WINDOW), params, 5, jit=False)
+  tx = oo.offload(optax.adamw(1e-2), window_bytes=WINDOW, update_on="host")
+  host_params, host_state = train(tx, params, 5, jit=False)
+  assert_close(dev_params, host_params)
+  assert host_state.inner[0].mu["big"].sharding.memory_kind == "pinned_host"
+
+
+def test_host_update_with_nvme_tier(tmp_path):
+  params = make_params()
+  ref_params, ref_state = train(oo.offload(optax.adamw(1e-2), window_bytes=WINDOW), params, 6)
+  tx = oo.offload(
+    optax.adamw(1e-2),
+    window_bytes=WINDOW,
+    update_on="host",
+    host_limit="200KiB",
+    nvme_dir=str(tmp_path),
+  )
+  got_params, got_state = train(tx, params, 6, donate=True)
+  try:
+    assert oo.footprint(got_state)["nvme"] > 0
+    assert bits_equal(ref_params, got_params)
+    assert bits_equal(oo.to_inner(ref_state), oo.to_inner(got_state))
+  finally:
+    oo.close_nvme(got_state)
+
+
+def _export_step(tx, params, state, grads):
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  return jax.export.export(jax.jit(step), platforms=["cuda"])(params, state, grads).mlir_module()
+
+
+def test_gpu_program_keeps_state_on_the_host():
+  params = {f"w{i}": jnp.full((64, 128), 0.1, jnp.float32) for i in range(4)}
+  tx = oo.offload(optax.adamw(1e-2), window_bytes=200_000, update_on="host")
+  state = tx.init(params)
+  mlir = _export_step(tx, params, state, params)
+  placements = re.findall(r'_xla_buffer_placement = "(\w+)".*?-> tensor<([0-9x]+)x', mlir)
+  to_device = [shape for kind, shape in placements if kind == "device"]
+  to_host = [shape for kind, shape in placements if kind == "pinned_host"]
+  # Only the updates come back (one per leaf); grads and params go down (two per leaf). The
+  # moments (8 arrays) never get a transfer.
+  assert len(to_device) == 4
+  assert len(to_host) == 8
+  # The optimizer's arithmetic runs on the host: every sqrt (Adam's denominator) is a host op.
+  sqrts = [line for line in mlir.splitlines() if "stablehlo.sqrt" in line]
+  assert len(sqrts) >= 4 and all('_xla_compute_type = "host"' in line for line in sqrts)
+  # Device mode moves each moment in and out.
+  dev = oo.offload(optax.adamw(1e-2), window_bytes=200_000)
+  dev_mlir = _export_step(dev, params, dev.init(params), params)
+  assert dev_mlir.count("annotate_device_placement") == 16
+
+
+# --- master weights ------------------------------------------------------------------------------
+
+
+def _bf16_grads(params, step):
+  """Gradients exactly representable in bf16, for both the fp32 and the bf16 runs."""
+  return jax.tree.map(lambda g: g.astype(jnp.bfloat16), make_grads(params, step))
+
+
+# (name, factory, master bit-equal to the fp32 run). For the Adam family XLA:CPU fuses the bias
+# correction's `power` differently once the master arithmetic sits next to the update (the same
+# effect as grouping, see test_transform): the master then follows the fp32 run within ulps.
+_MASTER_CASES = (
+  ("sgd_momentum", lambda: optax.sgd(1e-2, momentum=0.9), True),
+  ("lion", lambda: optax.lion(1e-3), True),
+  ("adafactor", lambda: optax.adafactor(1e-2), True),
+  ("adamw", lambda: optax.adamw(1e-2), False),
+)
+
+
+@pytest.mark.parametrize("update_on", ["device", "host"])
+@pytest.mark.parametrize("name,make,exact", _MASTER_CASES, ids=[c[0] for c in _MASTER_CASES])
+def test_master_weights_follow_the_fp32_run(name, make, exact, update_on):
+  # Start from bf16-representable values so (a) fp32 and (b) bf16 params start equal.
+  f32 = {
+    k: v.astype(jnp.bfloat16).astype(jnp.float32) for k, v in make_params().items() if k != "dense"
+  }
+  bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), f32)
+  # The same groups for both: one group each ((b) holds more state per leaf, the master, so a small
+  # byte window would group them differently).
+  tx_a = oo.offload(make(), window_bytes="1GiB", update_on=update_on)
+  tx_b = oo.offload(make(), window_bytes="1GiB", update_on=update_on, master_dtype=jnp.float32)
+
+  def run(tx, params):
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    for t in range(50):
+      g = _bf16_grads(f32, t)
+      params, state = step(params, state, jax.tree.map(lambda g, p: g.astype(p.dtype), g, params))
+    return params, state
+
+  a_params, _ = run(tx_a, f32)
+  b_params, b_state = run(tx_b, bf16)
+  master = oo.master_params(b_state)
+  # The returned updates land the bf16 params exactly on the rounded master, whatever the optimizer.
+  assert bits_equal(jax.tree.map(lambda m: m.astype(jnp.bfloat16), master), b_params)
+  assert jax.tree.map(lambda p: p.dtype, b_params) == jax.tree.map(lambda p: p.dtype, bf16)
+  assert master["big"].sharding.memory_kind == "pinned_host"
+  if exact:
+    assert bits_equal(a_params, master)
+    assert bits_equal(jax.tree.map(lambda p: p.astype(jnp.bfloat16), a_params), b_params)
+  else:
+    assert_close(a_params, master)
+  # Against plain optax on fp32 params: the numerics rule.
+  plain = make()
+  p, s = f32, plain.init(f32)
+  for t in range(50):
+    g = jax.tree.map(lambda g: g.astype(jnp.float32), _bf16_grads(f32, t))
+    u, s = plain.update(g, s, p)
+    p = optax.apply_updates(p, u)
+  assert_close(p, master)
+
+
+def test_master_dtype_bad_input():
+  params = make_params()
+  with pytest.raises(ValueError, match=r"narrower than param \['big'\]"):
+    oo.offload(optax.adam(1e-2), master_dtype=jnp.bfloat16).init(params)
+  with pytest.raises(ValueError, match=r"integer dtype int32"):
+    oo.offload(optax.sgd(1e-2), master_dtype=jnp.float32).init({"steps": jnp.zeros(8, jnp.int32)})
+  with pytest.raises(ValueError, match="floating dtype"):
+    oo.offload(optax.adam(1e-2), master_dtype=jnp.int32)
+
+
+# --- gradients born on the host ------------------------------------------------------------------
+
+
+def _mlp_loss(params, x):
+  h = jnp.tanh(x @ params["w1"] + params["b1"])
+  return jnp.mean((h @ params["w2"]) ** 2)
+
+
+def _mlp():
+  rng = np.random.default_rng(0)
+  params = {
+    "w1": jnp.asarray(rng.normal(size=(64, 128)) * 0.1, jnp.float32),
+    "b1": jnp.zeros(128, jnp.float32),
+    "w2": jnp.asarray(rng.normal(size=(128, 64)) * 0.1, jnp.float32),
+  }
+  return params, jnp.asarray(rng.normal(size=(16, 64)), jnp.float32)
+
+
+def test_value_and_grad_to_host_gives_host_gradients_and_the_same_step():
+  params, x = _mlp()
+  tx_ref = optax.adamw(1e-2)
+  tx = oo.offload(optax.adamw(1e-2), update_on="host")
+
+  @jax.jit
+  def ref_step(p, s):
+    loss, g = jax.value_and_grad(_mlp_loss)(p, x)
+    u, s = tx_ref.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  @jax.jit
+  def step(p, s):
+    loss, g = oo.value_and_grad_to_host(_mlp_loss)(p, x)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  _, grads = jax.jit(oo.value_and_grad_to_host(_mlp_loss))(params, x)
+  assert grads["w1"].sharding.memory_kind == "pinned_host"
+  assert grads["w2"].sharding.memory_kind == "pinned_host"
+  assert grads["b1"].sharding.memory_kind == "device"
+  p_ref, s_ref, p, s = params, tx_ref.init(params), params, tx.init(params)
+  for _ in range(5):
+    p_ref, s_ref, loss_ref = ref_step(p_ref, s_ref)
+    p, s, loss = step(p, s)
+    assert float(loss) == float(loss_ref)
+  assert bits_equal(p_ref, p)
+
+
+def _dependencies(mlir: str) -> dict[str, set[str]]:
+  """SSA value -> the values it is computed from (transitively), from the MLIR text."""
+  direct = {}
+  for m in re.finditer(r"^\s*(%[\w#:]+) = (.*)$", mlir, re.M):
+    name = m.group(1).split(":")[0]
+    direct[name] = {d.split("#")[0] for d in re.findall(r"%[\w#]+", m.group(2))}
+  closure: dict[str, set[str]] = {}
+
+  def deps(v):
+    if v not in closure:
+      closure[v] = set()
+      for d in direct.get(v, ()):
+        closure[v] |= {d} | deps(d)
+    return closure[v]
+
+  for v in direct:
+    deps(v)
+  return closure
+
+
+def test_gradient_leaves_the_device_right_after_it_is_computed():
+  params, x = _mlp()
+  mlir = jax.export.export(jax.jit(oo.value_and_grad_to_host(_mlp_loss)), platforms=["cuda"])(
+    params, x
+  ).mlir_module()
+  deps = _dependencies(mlir)
+  dots = re.findall(r"^\s*(%\w+) = stablehlo\.dot_general .*-> tensor<([0-9x]+)x", mlir, re.M)
+  moves = re.findall(
+    r"^\s*(%\w+) = stablehlo\.custom_call @annotate_device_placement\((%\w+)\).*pinned_host.*"
+    r"-> tensor<([0-9x]+)x",
+    mlir,
+    re.M,
+  )
+  assert len(moves) == 2  # w1's and w2's gradients; b1 is small
+  w1_move = next(m for m, _, shape in moves if shape == "64x128")
+  w2_move = next(m for m, _, shape in moves if shape == "128x64")
+  # Program order of the dots: forward x@w1, h@w2; backward dW2, dh, dW1.
+  assert len(dots) == 5
+  (fwd1, fwd2), (dw2, dh, dw1) = [d for d, _ in dots[:2]], [d for d, _ in dots[2:]]
+  # w2's transfer needs dW2 and nothing of layer 1's backward pass: XLA can start the copy as soon
+  # as that gradient exists, while the rest of the backward pass runs. w1's needs dW1.
+  assert dw2 in deps[w2_move] and fwd1 in deps[w2_move]
+  assert dh not in deps[w2_move] and dw1 not in deps[w2_move]
+  assert dw1 in deps[w1_move] and dh in deps[w1_move]
