@@ -262,7 +262,7 @@ def test_gradient_leaves_the_device_right_after_it_is_computed():
   w2_move = next(m for m, _, shape in moves if shape == "128x64")
   # Program order of the dots: forward x@w1, h@w2; backward dW2, dh, dW1.
   assert len(dots) == 5
-  (fwd1, fwd2), (dw2, dh, dw1) = [d for d, _ in dots[:2]], [d for d, _ in dots[2:]]
+  (fwd1, _), (dw2, dh, dw1) = [d for d, _ in dots[:2]], [d for d, _ in dots[2:]]
   # w2's transfer needs dW2 and nothing of layer 1's backward pass: XLA can start the copy as soon
   # as that gradient exists, while the rest of the backward pass runs. w1's needs dW1.
   assert dw2 in deps[w2_move] and fwd1 in deps[w2_move]

@@ -230,6 +230,12 @@ def offload(
     )
     tier = None
     if any(plan_lib.Tier.NVME in ts for ts in array_tiers):
+      if jax.process_count() > 1:
+        raise NotImplementedError(
+          "The NVMe tier across several processes (each writing its own shards) is not implemented "
+          "yet: with jax.distributed, raise host_limit so the state fits in pinned host memory, or "
+          "run one process per host."
+        )
       tier = nvme_tier.NvmeTier(
         nvme_tier.process_directory(nvme_dir),
         the_plan.groups,
