@@ -1,11 +1,13 @@
 # make demo  - set up .venv and train a small model with offloaded optimizer state (CPU by default)
 # make test  - set up .venv and run the test suite
+# make docs  - build the documentation site into site/
+# make bench - run the benchmarks and write bench_out/REPORT.md
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench docs lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +23,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(ARGS)
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check optax_offload tests examples benchmarks

@@ -1,0 +1,242 @@
+"""The `plan` command and `estimate`: numbers checked by hand and against the library itself."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_offload as oo
+from optax_offload._src import cli
+
+GiB = 2**30
+N = 7_000_000_000
+
+# The known config, by hand: 7B params in bf16, AdamW with an fp32 master copy, a 24 GiB GPU (a
+# "24 GB" card has 24 GiB) and a 64 GiB host budget.
+#   on device: bf16 params 2 B + bf16 grads 2 B per param = 28e9 B, plus the default window of 10%
+#     of device memory = int(0.1 * 24 GiB) = 2_576_980_377 B  ->  30_576_980_377 B
+#   offloaded: fp32 master 4 B + fp32 mu 4 B + fp32 nu 4 B per param = 84e9 B
+#     host: 64 GiB = 68_719_476_736 B; NVMe: 84e9 - 64 GiB = 15_280_523_264 B
+#   device shortfall: 30_576_980_377 - 24 GiB (25_769_803_776) = 4_807_176_601 B
+#   link: every offloaded byte down and up: 2 * 84e9 / 25e9 B/s = 6.72 s
+#   NVMe: 15_280_523_264 / 3e9 (read) + 15_280_523_264 / 2e9 (write) = 5.0935 + 7.6403 = 12.7338 s
+HAND_WINDOW = 2_576_980_377
+HAND_DEVICE = 28_000_000_000 + HAND_WINDOW
+HAND_OFFLOADED = 84_000_000_000
+HAND_HOST = 68_719_476_736
+HAND_NVME = 15_280_523_264
+HAND_DEVICE_MISSING = 4_807_176_601
+HAND_LINK_S = 6.72
+HAND_NVME_S = 15_280_523_264 / 3e9 + 15_280_523_264 / 2e9
+KNOWN = dict(
+  param_dtype="bf16",
+  optimizer="adamw",
+  master_dtype="fp32",
+  device_memory="24GiB",
+  host_limit="64GiB",
+)
+KNOWN_ARGV = [
+  "plan",
+  "7B",
+  "--param-dtype",
+  "bf16",
+  "--optimizer",
+  "adamw",
+  "--master-dtype",
+  "fp32",
+  "--device-memory",
+  "24GiB",
+  "--host-limit",
+  "64GiB",
+]
+
+
+def test_known_config_matches_hand_computation():
+  e = oo.estimate("7B", nvme_size="1TB", **KNOWN)
+  assert e.params == N
+  assert (e.param_bytes, e.grad_bytes) == (14_000_000_000, 14_000_000_000)
+  assert e.window_bytes == e.window_peak == HAND_WINDOW
+  assert e.device_bytes == HAND_DEVICE
+  assert e.offloaded_bytes == HAND_OFFLOADED
+  assert e.master_bytes == 4 * N
+  assert e.bytes_per_tier == {"device": HAND_DEVICE, "host": HAND_HOST, "nvme": HAND_NVME}
+  assert e.nvme_disk_bytes == 4 * HAND_NVME  # two committed generations, two in flight
+  assert e.link_bytes == 2 * HAND_OFFLOADED
+  assert e.step_times["link"] == pytest.approx(HAND_LINK_S)
+  assert e.step_time_lower_bound == pytest.approx(HAND_NVME_S)
+  assert e.bottleneck == "NVMe"
+  assert not e.fits
+  (short,) = e.shortfalls
+  assert (short.tier, short.missing) == ("device", HAND_DEVICE_MISSING)
+  # Params and grads alone exceed the card: shrinking the window cannot help, so say what can.
+  assert (
+    "--device-memory" in short.advice and "--window-bytes" not in short.advice.split("(e.g.")[0]
+  )
+
+
+def test_known_config_without_nvme_is_short_of_host_memory():
+  e = oo.estimate("7B", **KNOWN)
+  by_tier = {s.tier: s for s in e.shortfalls}
+  assert by_tier["host"].missing == HAND_OFFLOADED - HAND_HOST == HAND_NVME
+  assert "--host-limit" in by_tier["host"].advice and "--nvme-dir" in by_tier["host"].advice
+  assert e.step_time_lower_bound == pytest.approx(HAND_LINK_S)
+
+
+def test_cli_prints_the_known_config(capsys):
+  assert cli.main([*KNOWN_ARGV, "--nvme-size", "1TB"]) == 1  # does not fit: exit status 1
+  out = capsys.readouterr().out
+  assert "fits: NO" in out
+  assert f"{HAND_DEVICE_MISSING} bytes) missing" in out
+  assert "64.00 GiB" in out and "14.23 GiB" in out  # host, NVMe
+  assert "step time lower bound: 12.734 s (NVMe" in out
+
+
+def test_cli_json_has_the_same_numbers(capsys):
+  assert cli.main([*KNOWN_ARGV, "--nvme-size", "1TB", "--json"]) == 1
+  d = json.loads(capsys.readouterr().out)
+  assert d["bytes_per_tier"] == {"device": HAND_DEVICE, "host": HAND_HOST, "nvme": HAND_NVME}
+  assert d["shortfalls"][0]["missing"] == HAND_DEVICE_MISSING
+  assert d["step_time_lower_bound"] == pytest.approx(HAND_NVME_S)
+
+
+def test_a_plan_that_fits_exits_zero(capsys):
+  assert cli.main([*KNOWN_ARGV, "--device-memory", "80GiB", "--nvme-size", "1TB"]) == 0
+  assert "fits: yes" in capsys.readouterr().out
+
+
+def test_following_the_window_advice_makes_it_fit():
+  # 6B bf16: params + grads 24e9 B fit a 24 GiB card, but not with the default 2.4 GiB window.
+  e = oo.estimate("6B", param_dtype="bf16", device_memory="24GiB", host_limit="1TB")
+  (short,) = e.shortfalls
+  assert short.tier == "device" and "--window-bytes" in short.advice
+  smaller = e.window_peak - short.missing
+  assert oo.estimate(
+    "6B", param_dtype="bf16", device_memory="24GiB", host_limit="1TB", window_bytes=smaller
+  ).fits
+
+
+def test_host_update_moves_grads_and_updates_over_the_link():
+  e = oo.estimate("1B", param_dtype="bf16", master_dtype="fp32", update_on="host")
+  assert e.window_peak == 0
+  assert e.link_bytes == 10**9 * (2 + 4)  # bf16 grads to the host, fp32 updates back
+  # AdamW on the host: state (master, mu, nu: 12 B) read and written, grad read, update written.
+  assert e.step_times["host_update"] == pytest.approx((2 * 12e9 + 6e9) / 40e9)
+
+
+@pytest.mark.parametrize(
+  "name, slots", [("sgd", 0), ("sgd-momentum", 1), ("lion", 1), ("adam", 2), ("amsgrad", 3)]
+)
+def test_optimizer_table_matches_optax_state(name, slots):
+  # The table used for bare counts agrees with the state optax builds for real shapes.
+  shapes = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
+  from_shapes = oo.estimate(shapes, optimizer=name, min_size=0)
+  assert from_shapes.offloaded_bytes == slots * 4 * 256 * 256
+  assert oo.estimate(256 * 256, optimizer=name).offloaded_bytes == from_shapes.offloaded_bytes
+
+
+def _params():
+  return {
+    "embed": jnp.ones((512, 64), jnp.bfloat16),
+    "dense": {"kernel": jnp.ones((64, 256), jnp.bfloat16), "bias": jnp.ones(256, jnp.bfloat16)},
+    "out": jnp.ones((256, 128), jnp.bfloat16),
+  }
+
+
+@pytest.mark.parametrize("master", [None, jnp.float32])
+def test_shapes_estimate_matches_what_offload_does(master):
+  params = _params()
+  host_limit = 200_000
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  e = oo.estimate(
+    shapes, optimizer="adamw", master_dtype=master, host_limit=host_limit, nvme_size="1GB"
+  )
+  leaves = [
+    oo.LeafInfo(jax.tree_util.keystr(p), x.size, x.size * (4 if master else 0) + 2 * x.size * 4)
+    if master
+    else oo.LeafInfo(jax.tree_util.keystr(p), x.size, 2 * x.size * 2)
+    for p, x in jax.tree_util.tree_leaves_with_path(params)
+  ]
+  want = oo.make_plan(leaves, min_size=4096, window_bytes=1 << 30, host_limit=host_limit, nvme=True)
+  assert e.plan.tiers == want.tiers
+  assert (e.host_bytes, e.nvme_bytes) == (want.bytes_per_tier["host"], want.bytes_per_tier["nvme"])
+  assert e.nvme_bytes > 0 and e.host_bytes <= host_limit
+  # Without an NVMe tier, the host holds everything: offload's own footprint must agree.
+  e = oo.estimate(shapes, optimizer="adamw", master_dtype=master)
+  state = oo.offload(optax.adamw(1e-3), master_dtype=master).init(params)
+  fp = oo.footprint(state)
+  handles = 2 * 4  # OffloadState's int32 store id and generation, not optimizer state
+  assert (e.host_bytes, e.device_state_bytes + handles) == (fp["host"], fp["device"])
+
+
+def test_flax_nnx_module():
+  from flax import nnx
+
+  model = nnx.eval_shape(lambda: nnx.Linear(128, 256, rngs=nnx.Rngs(0)))
+  e = oo.estimate(model, optimizer="adam")
+  assert e.params == 128 * 256 + 256
+  assert e.host_bytes == 2 * 4 * 128 * 256  # the kernel's mu and nu; the bias is under min_size
+
+
+def test_measure_uses_this_machine(tmp_path, capsys):
+  nvme = tmp_path / "nvme"
+  argv = ["plan", "1e6", "--nvme-dir", str(nvme), "--measure", "--measure-bytes", "2MiB"]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "measured: link, nvme_read, nvme_write" in out
+  assert os.listdir(nvme) == []  # the temporary file is gone
+
+
+def test_a_given_bandwidth_wins_over_a_measured_one(capsys):
+  argv = ["plan", "1e9", "--measure", "--measure-bytes", "1MiB", "--link-bandwidth", "5GB"]
+  assert cli.main([*argv, "--json"]) == 0
+  d = json.loads(capsys.readouterr().out)
+  assert d["bandwidths"]["link"] == 5e9 and "link" not in d["bandwidths"]["measured"]
+  assert d["step_times"]["link"] == pytest.approx(2 * 8e9 / 5e9)
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["plan", "7GB"], "parameter count"),
+    (["plan", "-3"], "parameter count"),
+    (["plan", "7B", "--optimizer", "adamq"], "Unknown optimizer 'adamq'"),
+    (["plan", "7B", "--param-dtype", "bf17"], "Unknown param_dtype"),
+    (["plan", "7B", "--host-limit", "64XB"], "Could not parse host_limit"),
+    (["plan", "7B", "--master-dtype", "bf16"], "narrower than the params"),
+    (["plan", "7B", "--window-bytes", "0"], "window_bytes must be > 0"),
+    (["plan", "7B", "--link-bandwidth", "fast"], "--link-bandwidth"),
+    (["plan", "7B", "--update-on", "gpu"], "invalid choice"),
+    (["plan"], "required: params"),
+    ([], "required: COMMAND"),
+  ],
+)
+def test_bad_input_exits_2_with_a_message(argv, message, capsys):
+  with pytest.raises(SystemExit) as exc:
+    cli.main(argv)
+  assert exc.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_api_errors():
+  with pytest.raises(ValueError, match="needs parameter shapes"):
+    oo.estimate("7B", optimizer=optax.adam(1e-3))
+  with pytest.raises(ValueError, match="not an array"):
+    oo.estimate({"w": "hello"})
+  with pytest.raises(ValueError, match="update_on"):
+    oo.estimate("7B", update_on="tpu")
+
+
+def test_module_entry_point(tmp_path):
+  proc = subprocess.run(
+    [sys.executable, "-m", "optax_offload", *KNOWN_ARGV, "--nvme-dir", str(tmp_path)],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 1, proc.stderr
+  assert "fits: NO" in proc.stdout and "nvme" in proc.stdout
