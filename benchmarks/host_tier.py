@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
     jax.block_until_ready((p, s))
     runs[name] = [step, p, s, []]
   for _ in range(args.reps):
-    for name, run in runs.items():
+    for run in runs.values():
       step, p, s, times = run
       t0 = time.perf_counter()
       p, s = step(p, s, grads)
