@@ -11,6 +11,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 
+# Scripts that tests run in child processes; not test modules (and they parse sys.argv on import).
+collect_ignore_glob = ["*_child.py"]
+
 
 def make_params(seed: int = 0) -> dict:
   """Mixed shapes and dtypes: bf16 and fp32 leaves, leaves above and below min_size=4096."""

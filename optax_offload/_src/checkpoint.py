@@ -312,6 +312,8 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     **pytree_kwargs: passed to ``ocp.PyTreeCheckpointHandler`` (e.g. ``use_ocdbt``).
   """
 
+  SUBDIR = SUBDIR
+
   def __init__(self, *, link: bool = True, **pytree_kwargs):
     self._link = link
     self._pytree = ocp.PyTreeCheckpointHandler(**pytree_kwargs)
