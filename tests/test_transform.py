@@ -106,7 +106,9 @@ def test_footprint_counts_tiers(params):
   state = oo.offload(optax.adam(1e-2)).init(params)
   fp = oo.footprint(state)
   host = sum(2 * p.nbytes for p in jax.tree.leaves(params) if p.size >= 4096)
-  device = sum(2 * p.nbytes for p in jax.tree.leaves(params) if p.size < 4096) + 4 + 4
+  device = (
+    sum(2 * p.nbytes for p in jax.tree.leaves(params) if p.size < 4096) + 4 + 4 + 4
+  )  # count, nvme_store, nvme_generation
   assert fp == {"device": device, "host": host, "nvme": 0}
   with pytest.raises(TypeError, match="outside jax.jit"):
     jax.jit(oo.footprint)(state)

@@ -57,6 +57,10 @@ _MANIFEST = "manifest.json"
 _NO_LINK_ERRNOS = frozenset(
   {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 )
+_NEEDS_TARGET = (
+  "OffloadRestore needs the target state: oo.OffloadRestore(tx.init(params)), made by the offload "
+  "transformation (and nvme_dir) that is to hold the restored state."
+)
 _TS_CONTEXT = {"cache_pool": {"total_bytes_limit": 0}, "file_io_concurrency": {"limit": 32}}
 
 
@@ -331,12 +335,8 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         generation = int(np.asarray(s.nvme_generation))  # waits for the step that made it
         try:
           tier.store.pin(generation)
-        except ValueError as e:
-          raise ValueError(
-            f"Cannot save this optimizer state: the NVMe generation {generation} it names is no "
-            f"longer in {tier.store.directory} (the store keeps the last two). Save the state the "
-            f"latest update returned. ({e})"
-          ) from None
+        except ValueError:
+          raise _stale_generation_error(generation, tier.store) from None
         pinned.append((tier.store, generation))
         generations[k] = generation
       arrays, sources, item_leaves = [], [], []
@@ -434,10 +434,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
   def restore(self, directory: Any, args: OffloadRestore | None = None) -> Any:
     """Restores into the placement of ``args.item``; see `OffloadRestore`."""
     if args is None or args.item is None:
-      raise ValueError(
-        "OffloadRestore needs the target state: oo.OffloadRestore(tx.init(params)), made by the "
-        "offload transformation (and nvme_dir) that is to hold the restored state."
-      )
+      raise ValueError(_NEEDS_TARGET)
     manifest = _read_manifest(directory)
     target = _decompose(args.item)
     saved = _check_matches(manifest, target, directory)
@@ -541,6 +538,25 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._pytree.close()
 
 
+def _stale_generation_error(generation: int, store: nvme.NvmeStore) -> ValueError:
+  return ValueError(
+    f"Cannot save this optimizer state: the NVMe generation {generation} it names is no longer "
+    f"in {store.directory} (the store keeps the last two). Save the state the latest update "
+    "returned."
+  )
+
+
+def _check_savable(state: Any) -> None:
+  """Raises if `state` cannot be saved: abstract, closed NVMe store, or a stale generation."""
+  plain = _decompose(state)
+  for s, tier in zip(plain.states, plain.tiers):
+    if tier is not None:
+      generation = int(np.asarray(s.nvme_generation))  # waits for the step that made it
+      tier.store.sync()  # its commit
+      if generation not in tier.store.generations_on_disk:
+        raise _stale_generation_error(generation, tier.store)
+
+
 def _check_matches(manifest: dict[str, Any], target: _Plain, directory: Any) -> dict[str, Any]:
   """The manifest's arrays by path; raises when they do not match the target's."""
   saved = {e["path"]: e for e in manifest["arrays"]}
@@ -580,6 +596,11 @@ class OffloadSave(ocp.args.CheckpointArgs):
 
   item: Any
 
+  def __post_init__(self):
+    # Checked here, before Orbax starts the save: an error raised once it has started leaves
+    # Orbax's background threads waiting for the checkpoint directory (for minutes).
+    _check_savable(self.item)
+
 
 @ocp.args.register_with_handler(OffloadCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
@@ -596,3 +617,7 @@ class OffloadRestore(ocp.args.CheckpointArgs):
   """
 
   item: Any
+
+  def __post_init__(self):
+    if self.item is None:
+      raise ValueError(_NEEDS_TARGET)

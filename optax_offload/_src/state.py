@@ -37,7 +37,7 @@ def footprint(state: Any) -> dict[str, int]:
     >>> import jax.numpy as jnp, optax, optax_offload as oo
     >>> state = oo.offload(optax.sgd(0.1, momentum=0.9)).init({"w": jnp.zeros((100, 100))})
     >>> oo.footprint(state)
-    {'device': 4, 'host': 40000, 'nvme': 0}
+    {'device': 8, 'host': 40000, 'nvme': 0}
   """
   totals = {"device": 0, "host": 0, "nvme": 0}
   for leaf in jax.tree.leaves(state):
