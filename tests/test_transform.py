@@ -441,16 +441,3 @@ def test_host_limit_too_small_without_nvme(params):
   tx = oo.offload(optax.adam(1e-2), host_limit="100KiB")
   with pytest.raises(ValueError, match="bytes are missing.*nvme_dir"):
     tx.init(params)
-
-
-@pytest.mark.parametrize(
-  "kwargs,feature",
-  [
-    ({"nvme_dir": "/tmp/x"}, "NVMe tier"),
-    ({"update_on": "host"}, "host-side"),
-    ({"master_dtype": jnp.float32}, "master weights"),
-  ],
-)
-def test_unimplemented_features_say_so(kwargs, feature):
-  with pytest.raises(NotImplementedError, match=feature):
-    oo.offload(optax.adam(1e-2), **kwargs)
