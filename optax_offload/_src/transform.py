@@ -153,8 +153,11 @@ def offload(
       mix leaves, and refuse it otherwise.
     nvme_options: keyword arguments for the NVMe store: ``prefetch_depth`` (groups read ahead,
       default 1), ``write_depth`` (groups written behind, default 1), ``chunk_bytes`` (default
-      16 MiB). Host RAM used by the tier: at most (prefetch_depth + write_depth + 1) x the largest
-      group's NVMe bytes.
+      16 MiB). Host RAM held by the store: at most (prefetch_depth + write_depth + 1) x the largest
+      group's NVMe bytes (`NvmeStore.host_buffer_bound`). The update's callbacks add transient
+      copies of about two more groups (a fetched group is copied into the program's buffers; a put's
+      operands are copied to host arrays), and on a CPU backend the device window (`window_bytes`)
+      is host memory too.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. Its state is an `OffloadState`.
