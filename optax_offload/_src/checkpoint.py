@@ -25,6 +25,7 @@ restored by Orbax straight into the target's shardings (``pinned_host`` included
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import errno
 import json
@@ -423,7 +424,13 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
       for f in await self.async_save(directory, args) or []:
         f.result()
 
-    asyncio.run(run())
+    try:
+      asyncio.get_running_loop()
+    except RuntimeError:  # the usual case: no event loop in this thread
+      asyncio.run(run())
+      return
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      pool.submit(asyncio.run, run()).result()
 
   def finalize(self, directory: Any) -> None:
     if any(pathlib.Path(os.fspath(directory)).glob("ocdbt.process_*")):
@@ -445,6 +452,8 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     from_pytree = [n for n in in_memory if saved[target.paths[n]]["nvme"] is None]
     if from_pytree:
       values = self._restore_pytree(directory, target, from_pytree, values, numpy=False)
+      for n in from_pytree:
+        values[n] = _in_memory_space_of(values[n], target.leaves[n])
     for n in in_memory:
       entry = saved[target.paths[n]]
       if entry["nvme"] is not None:
@@ -557,6 +566,22 @@ def _check_savable(state: Any) -> None:
         raise _stale_generation_error(generation, tier.store)
 
 
+def _in_memory_space_of(x: Any, like: Any) -> Any:
+  """`x` with the memory space of `like` in its type (not only in its sharding).
+
+  Orbax builds restored arrays with a ``pinned_host`` sharding but a device-space type, which a
+  jitted update then treats as device memory; `jax.device_put` to the space retypes it.
+  """
+  if not isinstance(x, jax.Array) or not isinstance(like, jax.Array):
+    return x
+  space = jax.typeof(like).memory_space
+  if jax.typeof(x).memory_space == space:
+    return x
+  y = jax.device_put(x, space)
+  x.delete()  # one leaf at a time: at most one extra copy
+  return y
+
+
 def _check_matches(manifest: dict[str, Any], target: _Plain, directory: Any) -> dict[str, Any]:
   """The manifest's arrays by path; raises when they do not match the target's."""
   saved = {e["path"]: e for e in manifest["arrays"]}
@@ -592,6 +617,28 @@ class OffloadSave(ocp.args.CheckpointArgs):
 
   Attributes:
     item: the optimizer state, as ``tx.init`` or ``tx.update`` returned it.
+
+  Raises:
+    ValueError: the state names an NVMe generation its store no longer keeps.
+    RuntimeError: the state's NVMe store is closed.
+
+  Examples:
+    >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp
+    >>> import optax_offload as oo
+    >>> params = {"w": jnp.ones((128, 64)), "b": jnp.zeros(64)}
+    >>> tx = oo.offload(optax.adam(1e-2), host_limit=0, nvme_dir=tempfile.mkdtemp())
+    >>> state = tx.init(params)
+    >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as mngr:
+    ...   _ = mngr.save(0, args=ocp.args.Composite(opt_state=oo.OffloadSave(state)))
+    ...   mngr.wait_until_finished()
+    ...   host_tx = oo.offload(optax.adam(1e-2))  # restore into another placement
+    ...   target = host_tx.init(params)
+    ...   restored = mngr.restore(0, args=ocp.args.Composite(opt_state=oo.OffloadRestore(target)))
+    >>> oo.footprint(state), oo.footprint(restored["opt_state"])
+    ({'device': 524, 'host': 0, 'nvme': 65536}, {'device': 524, 'host': 65536, 'nvme': 0})
+    >>> restored["opt_state"].inner[0].mu["w"].sharding.memory_kind
+    'pinned_host'
+    >>> oo.close_nvme(state)
   """
 
   item: Any
@@ -614,6 +661,24 @@ class OffloadRestore(ocp.args.CheckpointArgs):
   Attributes:
     item: the target, ``tx.init(params)`` of the offload transformation that is to hold the
       restored state; it also tells the tree structure, shapes and dtypes to expect.
+
+  Raises:
+    ValueError: `item` is None.
+
+  Examples:
+    The way back to plain optax: restore into a plain state (here with a standalone Checkpointer).
+
+    >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp
+    >>> import optax_offload as oo
+    >>> params = {"w": jnp.ones((128, 64))}
+    >>> state = oo.offload(optax.sgd(0.1, momentum=0.9)).init(params)
+    >>> path = tempfile.mkdtemp() + "/opt_state"
+    >>> target = optax.sgd(0.1, momentum=0.9).init(params)
+    >>> with ocp.Checkpointer(oo.OffloadCheckpointHandler()) as ckptr:
+    ...   ckptr.save(path, args=oo.OffloadSave(state))
+    ...   plain = ckptr.restore(path, args=oo.OffloadRestore(target))
+    >>> plain[0].trace["w"].sharding.memory_kind
+    'device'
   """
 
   item: Any

@@ -1,0 +1,230 @@
+"""Soak test: a long run with host and NVMe tiers and periodic Orbax checkpoints; leaks show up here.
+
+Trains ``offload(adamw)`` for ``--steps`` steps (a jitted, donating step; NVMe generation per step)
+and saves a checkpoint (params + `optax_offload.OffloadSave`) every ``--every`` steps with an
+asynchronous ``orbax.checkpoint.CheckpointManager`` keeping ``--keep`` checkpoints, so checkpoints are
+written, hard-linked and deleted all along. It samples the process's resident memory (``VmRSS``),
+open file descriptors (``/proc/self/fd``) and threads (``Threads`` of ``/proc/self/status``: Python's
+and native ones).
+
+Samples are taken every ``--sample-every`` steps after ``wait_until_finished`` and `sync_nvme` (no
+save and no NVMe write in flight) and a ``gc.collect()``. The baseline is the median of the first few samples after ``--warmup``
+checkpoint intervals (compilation, the first checkpoints and Orbax's thread pools are in place by
+then), the end the median of the last few (RSS moves by a few MiB either way between samples):
+
+* ``rss_growth`` = (RSS at the end - RSS at the baseline) / RSS at the baseline (target < 1%), and
+  the least-squares slope of RSS against steps after the warm-up;
+* ``fd_growth`` and ``thread_growth``: open file descriptors and threads, end - baseline (target 0).
+
+``--no-save`` samples the same way but saves only at the end, to tell the checkpoints' share.
+
+At the end the latest checkpoint is restored into a fresh state (another ``nvme_dir``) and compared
+bit for bit with the state it was saved from. Not part of the test suite (opt-in):
+
+    python benchmarks/soak.py --steps 2000 --out bench_out/soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+import optax_offload as oo
+
+logger = logging.getLogger("soak")
+
+
+def _status(key: str) -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(key + ":"):
+        return int(line.split()[1])
+  raise KeyError(key)
+
+
+def sample(step: int) -> dict:
+  """RSS (bytes), open file descriptors and OS threads of this process now."""
+  return {
+    "step": step,
+    "rss": _status("VmRSS") * 1024,
+    "fds": len(os.listdir("/proc/self/fd")),
+    "threads": _status("Threads"),
+  }
+
+
+def make_tree(total: float, leaves: int) -> dict:
+  cols = 512
+  rows = max(int(total / leaves / cols), 1)
+  rng = np.random.default_rng(0)
+  return {
+    f"layer_{i:02d}": jnp.asarray(rng.normal(size=(rows, cols)) * 0.02, jnp.float32)
+    for i in range(leaves)
+  }
+
+
+def make_grads(params: dict, step: int) -> dict:
+  """Deterministic, cheap gradients that change every step."""
+  scale = jnp.float32(1e-3 * (1 + step % 7))
+  return jax.tree.map(lambda p: jnp.full_like(p, scale), params)
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=2000)
+  parser.add_argument("--every", type=int, default=50, help="checkpoint interval (steps)")
+  parser.add_argument(
+    "--no-save",
+    action="store_true",
+    help="sample at the same interval but save only at the end (to tell the checkpoints' share)",
+  )
+  parser.add_argument("--keep", type=int, default=2, help="checkpoints kept (max_to_keep)")
+  parser.add_argument("--warmup", type=int, default=2, help="checkpoints before the baseline")
+  parser.add_argument("--sample-every", type=int, default=10, help="sampling interval (steps)")
+  parser.add_argument("--params", type=float, default=4e6, help="total parameters")
+  parser.add_argument("--leaves", type=int, default=8)
+  parser.add_argument("--host-fraction", type=float, default=0.5, help="of the state on host")
+  parser.add_argument("--dir", default=None, help="directory for nvme_dir and checkpoints")
+  parser.add_argument("--out", default="bench_out/soak.json")
+  args = parser.parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+  root = args.dir or tempfile.mkdtemp(prefix="oo_soak_")
+  os.makedirs(root, exist_ok=True)
+  params = jax.device_put(make_tree(args.params, args.leaves), jax.devices()[0])
+  n = sum(p.size for p in jax.tree.leaves(params))
+  state_bytes = 8 * n  # adamw: mu + nu in fp32
+  host_limit = int(state_bytes * args.host_fraction)
+  window = max(state_bytes // 4, 1)
+  make_tx = lambda d: oo.offload(  # noqa: E731
+    optax.adamw(1e-3), host_limit=host_limit, nvme_dir=d, window_bytes=window
+  )
+  tx = make_tx(os.path.join(root, "nvme"))
+  state = tx.init(params)
+
+  def train_step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(train_step, donate_argnums=(0, 1))
+  options = ocp.CheckpointManagerOptions(max_to_keep=args.keep)
+  mngr = ocp.CheckpointManager(os.path.join(root, "ckpt"), options=options)
+  samples, step_times, save_times = [sample(0)], [], []
+  start = time.perf_counter()
+  for t in range(args.steps):
+    t0 = time.perf_counter()
+    params, state = step(params, state, make_grads(params, t))
+    jax.block_until_ready(state)
+    step_times.append(time.perf_counter() - t0)
+    last = t + 1 == args.steps
+    if ((t + 1) % args.every == 0 and not args.no_save) or last:
+      t0 = time.perf_counter()
+      mngr.save(
+        t + 1,
+        args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params), opt_state=oo.OffloadSave(state)
+        ),
+      )
+      save_times.append(time.perf_counter() - t0)  # the blocking part
+    if (t + 1) % args.sample_every == 0 and not last:
+      mngr.wait_until_finished()  # no save in flight: its threads and files are gone
+      oo.sync_nvme(state)  # no NVMe write in flight either
+      gc.collect()
+      time.sleep(0.1)  # let finished threads exit
+      samples.append(sample(t + 1))
+      if (t + 1) % (10 * args.sample_every) == 0:
+        logger.info("step %d: %s", t + 1, samples[-1])
+  mngr.wait_until_finished()
+  wall = time.perf_counter() - start
+  # Baseline: the first `window` samples after the warm-up; end: the last `window` (medians, as
+  # RSS moves by a few MiB either way from one sample to the next).
+  after_warmup = [x for x in samples if x["step"] > args.warmup * args.every]
+  window = max(1, min(5, len(after_warmup) // 3))
+  baseline = {k: float(np.median([x[k] for x in after_warmup[:window]])) for k in samples[0]}
+  end = {k: float(np.median([x[k] for x in after_warmup[-window:]])) for k in samples[0]}
+  steps_axis = np.asarray([x["step"] for x in after_warmup], float)
+  rss_axis = np.asarray([x["rss"] for x in after_warmup], float)
+  slope = float(np.polyfit(steps_axis, rss_axis, 1)[0]) if len(after_warmup) > 1 else 0.0
+  saved = (mngr.latest_step(), oo.to_inner(state), params)
+  footprint = oo.footprint(state)
+
+  # The latest checkpoint restores bit for bit into a fresh state with another nvme_dir.
+  tx2 = make_tx(os.path.join(root, "nvme_restore"))
+  target = tx2.init(jax.tree.map(jnp.zeros_like, params))
+  restored = mngr.restore(
+    saved[0],
+    args=ocp.args.Composite(
+      params=ocp.args.StandardRestore(params), opt_state=oo.OffloadRestore(target)
+    ),
+  )
+  restored_inner = oo.to_inner(restored["opt_state"])
+  exact = all(
+    np.array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(saved[1]), jax.tree.leaves(restored_inner))
+  )
+  manifest = mngr.item_metadata(saved[0])["opt_state"]
+  mngr.close()
+  oo.close_nvme(state)
+  oo.close_nvme(restored["opt_state"])
+  if args.dir is None:
+    shutil.rmtree(root, ignore_errors=True)
+
+  result = {
+    "benchmark": "soak",
+    "backend": jax.default_backend(),
+    "machine": platform.machine(),
+    "steps": args.steps,
+    "every": args.every,
+    "checkpoints": len(save_times),
+    "params": n,
+    "state_bytes": state_bytes,
+    "footprint": footprint,
+    "host_limit": host_limit,
+    "nvme_transfer": manifest["nvme_transfer"],
+    "wall_s": wall,
+    "step_s_median": float(np.median(step_times)),
+    "save_blocking_s_median": float(np.median(save_times)),
+    "baseline": baseline,
+    "end": end,
+    "rss_growth": (end["rss"] - baseline["rss"]) / baseline["rss"],
+    "rss_slope_bytes_per_1000_steps": 1000 * slope,
+    "rss_max": max(x["rss"] for x in samples),
+    "fd_growth": end["fds"] - baseline["fds"],
+    "thread_growth": end["threads"] - baseline["threads"],
+    "fds_max_after_warmup": max(x["fds"] for x in after_warmup),
+    "threads_max_after_warmup": max(x["threads"] for x in after_warmup),
+    "restore_bit_exact": bool(exact),
+    "samples": samples,
+  }
+  result["pass"] = (
+    result["rss_growth"] < 0.01
+    and result["fd_growth"] <= 0
+    and result["thread_growth"] <= 0
+    and result["restore_bit_exact"]
+  )
+  print(
+    f"{args.steps} steps, {len(save_times)} checkpoints ({result['nvme_transfer']}), "
+    f"{wall:.0f} s: RSS {baseline['rss'] / 2**20:.1f} -> {end['rss'] / 2**20:.1f} MiB "
+    f"({100 * result['rss_growth']:+.2f}%), fds {baseline['fds']:g} -> {end['fds']:g}, threads "
+    f"{baseline['threads']:g} -> {end['threads']:g}, restore bit-exact: {exact}"
+  )
+  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=2)
+  return result
+
+
+if __name__ == "__main__":
+  main()
