@@ -90,20 +90,8 @@ _EXPECTED_TIERS = {  # which footprint entries are non-zero in each tier setting
   "mixed": {"device", "host", "nvme"},
 }
 
-_MULTISTEPS_NVME = pytest.mark.xfail(
-  raises=(jax.errors.JaxRuntimeError, ValueError),
-  strict=True,
-  reason="MultiSteps runs the inner update at every mini-step and keeps the old state with "
-  "jnp.where, but the NVMe tier has already committed the new generation: training itself "
-  "fails (a bug of the NVMe tier in transform.py, not of checkpoints).",
-)
 _CASES = [
-  pytest.param(
-    opt,
-    tier,
-    marks=[_MULTISTEPS_NVME] if opt == "multisteps_adamw" and tier in ("nvme", "mixed") else [],
-    id=f"{opt}-{tier}",
-  )
+  pytest.param(opt, tier, id=f"{opt}-{tier}")
   for opt in child.OPTIMIZERS
   for tier in child.TIERS
 ]

@@ -86,6 +86,29 @@ def test_eager_update_with_nvme(tmp_path):
   assert bits_equal(ref_params, got_params)
 
 
+def test_multisteps_around_nvme_tier(tmp_path):
+  # MultiSteps runs the inner update at every mini-step and keeps the old state on the others, so
+  # the store must keep the generation the state names while it commits the discarded ones.
+  def make(**kw):
+    return optax.MultiSteps(oo.offload(optax.adamw(1e-2), window_bytes=WINDOW, **kw), 3)
+
+  params = make_params()
+  host_params, host_state = train(make(), params, 8, donate=True)
+  nvme_params, nvme_state = train(
+    make(host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)), params, 8, donate=True
+  )
+  try:
+    assert bits_equal(host_params, nvme_params)
+    assert bits_equal(oo.to_inner(host_state), oo.to_inner(nvme_state))
+    oo.sync_nvme(nvme_state)
+    store = nvme_state.inner_opt_state
+    named = int(store.nvme_generation)
+    on_disk = sorted(p.name for p in (tmp_path / "process_0").glob("gen_*"))
+    assert f"gen_{named:08d}" in on_disk and len(on_disk) == 2, on_disk
+  finally:
+    oo.close_nvme(nvme_state)
+
+
 def test_second_process_on_the_same_directory_is_refused(tmp_path):
   tx = oo.offload(
     optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)

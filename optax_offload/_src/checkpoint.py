@@ -508,7 +508,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Writes the target store's arrays as a new generation, one store group at a time."""
     store = tier.store
     store.sync()
-    generation = store.committed_generation + 1
+    generation = store.new_generation()
     where = {x.key: n for n, x in enumerate(target.leaves) if _is_ref(x) and x.store == k}
     key_of = {spec.name: key for key, spec in tier.specs.items()}
     root = _process_dir(directory)

@@ -300,6 +300,7 @@ class _Write:
 @dataclasses.dataclass
 class _Commit:
   generation: int
+  parent: int | None = None
 
 
 @dataclasses.dataclass
@@ -347,7 +348,8 @@ class NvmeStore:
 
   Generation ``g + 1`` never overwrites generation ``g``: each generation is a fresh directory, made durable
   with one fsync pass and published by atomically replacing ``MANIFEST.json``. After committing ``g`` the
-  store keeps ``g``, the previously committed generation and pinned ones, and deletes the rest. Each
+  store keeps ``g``, its parent (the generation it was computed from; by default the previously committed
+  one) and pinned ones, and deletes the rest. Each
   chunk carries a crc32c checksum; corrupt, truncated or missing files raise `NvmeCorruptionError`.
 
   The caller follows a cyclic protocol: `fetch` group ``k`` of generation ``g``, `put` its new value as
@@ -459,6 +461,8 @@ class NvmeStore:
     self._stats = collections.Counter({k: 0 for k in _STAT_KEYS})
     self._committed = -1
     self._previous = -1
+    self._newest = -1  # the newest generation number used (committed, put or handed out)
+    self._children: dict[int, int] = {}  # parent -> the generation last made from it
     self._on_disk: list[int] = []
     self._pinned: set[int] = set()
 
@@ -472,6 +476,7 @@ class NvmeStore:
       self._release_lock()
       raise
     self._last_queued_commit = self._committed
+    self._newest = max([self._committed, *self._on_disk])
     self._writer = threading.Thread(target=self._writer_loop, name="nvme-writer", daemon=True)
     self._writer.start()
     self._committer = threading.Thread(
@@ -683,6 +688,21 @@ class NvmeStore:
     with self._cond:
       return list(self._on_disk)
 
+  def new_generation(self, parent: int | None = None) -> int:
+    """A generation number newer than any used so far, for the next `put`s and `commit`.
+
+    Args:
+      parent: the generation the new one is computed from. Fetching the last group of `parent` then
+        prefetches group 0 of the new generation, and committing the new one with ``parent=`` keeps
+        `parent` on disk (e.g. for `optax.MultiSteps`, which computes every mini-step from one state).
+    """
+    with self._cond:
+      self._check_usable_locked()
+      self._newest += 1
+      if parent is not None:
+        self._children = {int(parent): self._newest}
+      return self._newest
+
   def write_initial(self, generation: int, arrays: Mapping[str, np.ndarray]) -> None:
     """Writes every leaf of `generation` and commits it; returns once it is durable.
 
@@ -804,6 +824,7 @@ class NvmeStore:
         self._cond.wait()
       self._check_usable_locked()
       self._queue.append(_Write(group, generation, held))
+      self._newest = max(self._newest, generation)
       self._pending_writes += 1
       self._wbuf[key] = held
       self._wbuf_count[key] += 1
@@ -813,15 +834,17 @@ class NvmeStore:
       self._note_buffers_locked()
       self._cond.notify_all()
 
-  def commit(self, generation: int) -> None:
+  def commit(self, generation: int, parent: int | None = None) -> None:
     """Queues the commit of `generation` behind the puts; returns at once.
 
     Once every group of `generation` is written, the store makes its files durable, atomically publishes
-    it in ``MANIFEST.json``, and deletes generations older than the previously committed one (except pinned
-    ones). Errors surface on the next call (or `sync`).
+    it in ``MANIFEST.json``, and deletes every other generation except `parent` and pinned ones. Errors
+    surface on the next call (or `sync`).
 
     Args:
       generation: a generation whose every group was `put`.
+      parent: the committed generation `generation` was computed from, kept on disk so that it can be
+        fetched again; defaults to the previously committed generation.
 
     Raises:
       ValueError: a group of `generation` was not put, or `generation` is not newer than the last commit.
@@ -842,7 +865,7 @@ class NvmeStore:
       if missing:
         raise ValueError(f"commit: groups {missing} of generation {generation} were not put.")
       self._last_queued_commit = generation
-      self._queue.append(_Commit(generation))
+      self._queue.append(_Commit(generation, None if parent is None else int(parent)))
       self._cond.notify_all()
 
   def sync(self) -> None:
@@ -994,7 +1017,7 @@ class NvmeStore:
     for _ in range(self._prefetch_depth):
       group += 1
       if group == len(self._groups):
-        group, generation = 0, generation + 1
+        group, generation = 0, self._children.get(generation, generation + 1)
       wanted.append((group, generation))
     self._wanted = wanted
     self._pool = {k: v for k, v in self._pool.items() if k in wanted}
@@ -1149,7 +1172,7 @@ class NvmeStore:
     os.replace(tmp, path)
     _fsync_path(self._dir, directory=True)
 
-  def _commit(self, generation: int) -> None:
+  def _commit(self, generation: int, parent: int | None) -> None:
     start = time.perf_counter()
     try:
       _fsync_tree(self.generation_path(generation))
@@ -1162,7 +1185,9 @@ class NvmeStore:
     synced = time.perf_counter()
     with self._cond:
       old = (self._committed, self._previous, self._on_disk)
-      previous = self._committed
+      previous = self._committed if parent is None else parent
+      if previous not in self._on_disk:
+        previous = -1
       keep = {generation, previous} | (self._pinned & set(self._on_disk))
       keep.discard(-1)
       drop = [g for g in self._on_disk if g not in keep]
@@ -1301,7 +1326,7 @@ class NvmeStore:
       error = None
       try:
         if isinstance(op, _Commit):
-          self._commit(op.generation)
+          self._commit(op.generation, op.parent)
         else:
           self._run_pin(op)
       except Exception as e:  # Kept and re-raised in the caller's thread.

@@ -3,8 +3,9 @@
 One `NvmeTier` per parameter tree of an `offload` transformation. It owns an `NvmeStore` in
 ``nvme_dir/process_{i}`` and is found again from a state through the id the state carries
 (``OffloadState.nvme_store``), so that `footprint`, `to_inner` and checkpoints can reach the data.
-In a jitted update, each group with NVMe leaves costs two ordered `io_callback`s: one fetch (served
-from the store's prefetch pool) and one put (written behind); one more commits the generation.
+In a jitted update, each group with NVMe leaves costs two `io_callback`s: one fetch (served from the
+store's prefetch pool) and one put (written behind); two more per update allocate and commit the
+generation.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import itertools
 import logging
 import os
 import pathlib
-import weakref
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +28,9 @@ from optax_offload._src import plan as plan_lib
 
 logger = logging.getLogger(__name__)
 
-_REGISTRY: weakref.WeakValueDictionary[int, NvmeTier] = weakref.WeakValueDictionary()
+# Open tiers by id. A tier stays here (and its store open) until `close`, even when the `offload`
+# transformation that made it is gone: the states that name it stay usable.
+_REGISTRY: dict[int, NvmeTier] = {}
 _IDS = itertools.count(1)
 
 
@@ -148,42 +150,52 @@ class NvmeTier:
     _REGISTRY.pop(self.id, None)
 
   # -- traced side (inside jit) -----------------------------------------------------------------------
-  # Each callback takes and returns `token`, the generation the state names, so that the callbacks run
-  # in program order through data dependencies. (Ordered io_callbacks would do the same, but JAX 0.10
-  # fails to lower them in a jit whose outputs carry memory kinds.)
+  # The callbacks of one update thread a token, ``[parent, child]``: the generation the state names and
+  # the one this update writes, so that they run in program order through data dependencies. (Ordered
+  # io_callbacks would do the same, but JAX 0.10 fails to lower them in a jit whose outputs carry memory
+  # kinds.) The child is a fresh generation number, not ``parent + 1``: an update may start again from the
+  # same state (`optax.MultiSteps` computes every mini-step from the state of the last real step).
+
+  def begin_traced(self, generation: jax.Array) -> jax.Array:
+    """One callback allocating the generation this update writes; returns the token."""
+
+    def _begin(parent):
+      return np.asarray([parent, self.store.new_generation(parent=int(parent))], np.int32)
+
+    return io_callback(_begin, jax.ShapeDtypeStruct((2,), jnp.int32), generation)
 
   def fetch(
     self, plan_group: int, token: jax.Array
   ) -> tuple[dict[tuple[int, int], Any], jax.Array]:
-    """One callback returning the group's NVMe arrays at generation `token`, and the token."""
+    """One callback returning the group's NVMe arrays of the parent generation, and the token."""
     sg = self.groups[plan_group]
     members = self._members[sg]
     shapes = [jax.ShapeDtypeStruct(self._specs[k].shape, self._specs[k].dtype) for k in members]
 
-    def _fetch(gen):
-      arrays = [np.ascontiguousarray(a) for a in self.store.fetch(sg, int(gen))]
-      return [np.asarray(gen, np.int32), *arrays]
+    def _fetch(token):
+      arrays = [np.ascontiguousarray(a) for a in self.store.fetch(sg, int(token[0]))]
+      return [np.asarray(token, np.int32), *arrays]
 
-    token, *flat = io_callback(_fetch, [jax.ShapeDtypeStruct((), jnp.int32), *shapes], token)
+    token, *flat = io_callback(_fetch, [jax.ShapeDtypeStruct((2,), jnp.int32), *shapes], token)
     return dict(zip(members, flat)), token
 
   def put(self, plan_group: int, token: jax.Array, parts: Mapping[int, Any]) -> jax.Array:
-    """One callback handing the group's new arrays (generation `token` + 1) to the writer thread."""
+    """One callback handing the group's new arrays (of the child generation) to the writer thread."""
     sg = self.groups[plan_group]
 
-    def _put(gen, *arrays):
-      self.store.put(sg, int(gen) + 1, list(arrays))
-      return np.asarray(gen, np.int32)
+    def _put(token, *arrays):
+      self.store.put(sg, int(token[1]), list(arrays))
+      return np.asarray(token, np.int32)
 
     flat = _select(parts, self._members[sg])
-    return io_callback(_put, jax.ShapeDtypeStruct((), jnp.int32), token, *flat)
+    return io_callback(_put, jax.ShapeDtypeStruct((2,), jnp.int32), token, *flat)
 
   def commit_traced(self, token: jax.Array) -> jax.Array:
-    """One callback queueing the commit of generation `token` + 1; returns that generation."""
+    """One callback queueing the commit of the child generation; returns its number."""
 
-    def _commit(gen):
-      self.store.commit(int(gen) + 1)
-      return np.asarray(int(gen) + 1, np.int32)
+    def _commit(token):
+      self.store.commit(int(token[1]), parent=int(token[0]))
+      return np.asarray(token[1], np.int32)
 
     return io_callback(_commit, jax.ShapeDtypeStruct((), jnp.int32), token)
 

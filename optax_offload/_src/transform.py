@@ -274,7 +274,7 @@ def offload(
 
     generation = -1
     if setup.nvme is not None:
-      generation = setup.nvme.store.committed_generation + 1
+      generation = setup.nvme.store.new_generation()
 
     def place(*concrete):
       shared, per_leaf = setup.layout.split(inner.init(treedef.unflatten(leaves_of(concrete))))
@@ -465,7 +465,8 @@ def _windowed_update(
   """
   layout, groups, tiers, tier = setup.layout, setup.plan.groups, setup.array_tiers, setup.nvme
   compute_space = HOST if on_host else DEVICE
-  token = generation  # threads the NVMe callbacks in program order
+  # Threads the NVMe callbacks in program order: [generation read, generation written].
+  token = tier.begin_traced(generation) if tier is not None else generation
   has_host = [plan_lib.Tier.HOST in t for t in tiers]
 
   def bring_in(k, parts, token):
