@@ -281,12 +281,27 @@ def test_pin_keeps_a_generation(tmp_path):
     _run_protocol(store, _GROUPS, reference, start=1, steps=3)
     store.sync()
     assert store.generations_on_disk == [1, 3, 4]
-  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
-    assert store.generations_on_disk == [1, 3, 4]
     store.unpin(1)
     assert _gen_dirs(tmp_path) == ["gen_00000003", "gen_00000004"]
     with pytest.raises(ValueError, match="not a committed generation"):
       store.pin(1)
+
+
+def test_pins_of_an_earlier_process_are_dropped_on_open(tmp_path):
+  # A pin is held by a checkpoint save in progress; if its process dies, nothing will unpin it.
+  values = _values(_GROUPS, 4)
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+    reference = _run_protocol(store, _GROUPS, dict(values), start=0, steps=1)
+    store.pin(1)
+    reference = _run_protocol(store, _GROUPS, reference, start=1, steps=3)
+  assert _gen_dirs(tmp_path) == ["gen_00000001", "gen_00000003", "gen_00000004"]
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    assert store.generations_on_disk == [3, 4]
+    assert _gen_dirs(tmp_path) == ["gen_00000003", "gen_00000004"]
+    _assert_bit_equal(store.read_generation(), reference)
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    assert store.generations_on_disk == [3, 4]
 
 
 def test_uncommitted_generations_are_removed_on_open(tmp_path):

@@ -465,11 +465,14 @@ class NvmeStore:
     self._children: dict[int, int] = {}  # parent -> the generation last made from it
     self._on_disk: list[int] = []
     self._pinned: set[int] = set()
+    self._stale_pins = False
 
     self._prepare_directory(create)
     self._lock_fd = self._acquire_lock()
     try:
       self._load_manifest()
+      if self._stale_pins:
+        self._write_manifest()
       self._remove_unpublished()
       self._ctx = ts.Context(_TS_CONTEXT)
     except BaseException:
@@ -617,12 +620,20 @@ class NvmeStore:
         f"NVMe store {self._dir} holds committed generation {committed} for different leaves: {shown}. "
         "Use another nvme_dir, or delete that directory to start over."
       )
+    # Pins belong to the process that made them (a checkpoint save in progress); a new process drops
+    # them, and the generations only they kept are deleted with the unpublished ones.
+    if pinned:
+      logger.warning(
+        "NVMe store %s: dropping pins %s left by an earlier process.", self._dir, sorted(pinned)
+      )
+      on_disk = [g for g in on_disk if g in (committed, previous)]
     self._committed, self._previous, self._on_disk, self._pinned = (
       committed,
       previous,
       on_disk,
-      pinned,
+      set(),
     )
+    self._stale_pins = bool(pinned)
     missing = [g for g in on_disk if not self.generation_path(g).is_dir()]
     if missing:
       logger.warning(
