@@ -12,8 +12,9 @@ state: see ``benchmarks/nvme_tier.py``).
 Configuration, stated honestly: params and grads are ``--dtype`` (bf16 by default) on the "device";
 on a CPU-only machine the device *is* host RAM, so they count in the RSS. ``optax.adamw(mu_dtype=fp32)``
 keeps mu in fp32 and nu in the params' dtype (optax has no ``nu_dtype``), so the state is 6 bytes per
-parameter with bf16 params (2B params: 12 GB of moments, 4 GB of params, 4 GB of grads) and 8 with fp32
-params (2B: 16 GB of moments, 8 GB of params, 8 GB of grads: more than a 24 GiB machine should hold).
+parameter with bf16 params (2B params: 12 GB of moments, 4 GB of params, 4 GB of grads), 12 with
+``--master`` (``offload(master_dtype=fp32)``: fp32 master, mu and nu, the mixed-precision layout of the
+mission; 2.2B params: 26 GB of state) and 8 with fp32 params (2B: 16 GB of moments, 8 GB of params, 8 GB of grads: more than a 24 GiB machine should hold).
 The groups are at most ``--group-mb`` of state each, independent of the model size, so the store's
 buffers stay bounded as the model grows.
 
@@ -21,6 +22,7 @@ Before writing anything it checks that the disk has room for ~3 generations of t
 memory bound fits in the available RAM, and refuses otherwise (``--dry-run`` only prints the plan).
 
     python benchmarks/nvme_scale.py --params 2e9 --dry-run
+    python benchmarks/nvme_scale.py --params 2.2e9 --master --steps 1   # 26 GB of state > 24 GiB RAM
     python benchmarks/nvme_scale.py --params 0.25e9 --steps 2 --out bench_out/nvme_scale.json
 """
 
@@ -58,7 +60,9 @@ def plan(args) -> dict:
   itemsize = 4 if args.dtype == "fp32" else 2
   rows = max(int(args.params / args.leaves / bench._COLS), 1)
   n = rows * bench._COLS * args.leaves
-  leaf_state = rows * bench._COLS * (4 + itemsize)  # mu fp32 + nu in the params' dtype
+  # mu fp32 + nu in the params' dtype; with --master, an fp32 master copy and nu in fp32 as well.
+  state_per_param = 12 if args.master else 4 + itemsize
+  leaf_state = rows * bench._COLS * state_per_param
   group_budget = max(args.group_mb << 20, leaf_state)
   leaves_per_group = max(group_budget // leaf_state, 1)
   group_bytes = leaves_per_group * leaf_state
@@ -70,7 +74,8 @@ def plan(args) -> dict:
     "dtype": args.dtype,
     "params_bytes": n * itemsize,
     "grads_bytes": n * itemsize,
-    "state_bytes": n * (4 + itemsize),
+    "master": bool(args.master),
+    "state_bytes": n * state_per_param,
     "group_bytes": group_bytes,
     "groups": -(-args.leaves // leaves_per_group),
     "window_bytes": 2 * (args.group_mb << 20),
@@ -141,6 +146,7 @@ def run(args, p: dict) -> dict:
     host_limit=0,
     nvme_dir=directory,
     window_bytes=p["window_bytes"],
+    master_dtype=jnp.float32 if args.master else None,
   )
   try:
     t0 = time.perf_counter()
@@ -230,6 +236,9 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--params", type=float, default=2e9, help="total parameters")
   parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="params and grads")
+  parser.add_argument(
+    "--master", action="store_true", help="fp32 master weights in the state (12 bytes/param)"
+  )
   parser.add_argument("--leaves", type=int, default=64)
   parser.add_argument("--group-mb", type=int, default=256, help="most state bytes (MiB) per group")
   parser.add_argument("--steps", type=int, default=2, help="timed steps after the compiling one")

@@ -256,7 +256,7 @@ def test_sigkill_at_random_moments_leaves_a_committed_generation(tmp_path):
       g = store.committed_generation
       data = store.read_generation()
     assert g in refs, f"trial {trial}: generation {g} beyond the reference run"
-    mu, nu = data["leaf00000_part0"], data["leaf00000_part1"]
+    mu, nu = data["leaf00000_part0_shard0000"], data["leaf00000_part1_shard0000"]
     assert np.array_equal(mu, refs[g][0]) and np.array_equal(nu, refs[g][1]), (
       f"trial {trial}, generation {g}"
     )

@@ -10,9 +10,16 @@ The checkpoint does not depend on where the state lived: it holds the *plain* in
 
   <item>/_METADATA, manifest.ocdbt, ocdbt.process_0/, ...   PyTreeCheckpointHandler: the plain state;
                                                            NVMe-tier arrays are ocp.PLACEHOLDER there
-  <item>/optax_offload/process_0/manifest.json             every array: path, shape, dtype, NVMe file
-  <item>/optax_offload/process_0/store_0/leaf00004_part0/  an NVMe-tier array: the store's zarr3 files
-                                                           (crc32c per chunk), hard-linked or copied
+  <item>/optax_offload/process_0/manifest.json             every array: path, shape, dtype, and for
+                                                           NVMe-tier arrays this process's shards
+  <item>/optax_offload/process_0/store_0/leaf00004_part0_shard0000/
+                                                           one shard of an NVMe-tier array: the store's
+                                                           zarr3 files (crc32c per chunk), hard-linked
+                                                           or copied
+
+Each process saves the shards its store holds (its devices' distinct shards), under its own
+``process_{i}``; restore reads, for each shard the target needs, the saved shards that overlap it
+(from any process's directory), so a checkpoint restores into another sharding or process count.
 
 NVMe-tier arrays are not read at save time: the generation the state names is pinned in its store
 (`NvmeStore.pin`), and its files, immutable once committed, are hard-linked into the checkpoint
@@ -50,7 +57,7 @@ from optax_offload._src.transform import OffloadState
 logger = logging.getLogger(__name__)
 
 FORMAT = "optax_offload.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SUBDIR = "optax_offload"
 """Directory of the offload-specific files inside the Orbax item directory."""
 _MANIFEST = "manifest.json"
@@ -114,14 +121,15 @@ def _tier_of(state: OffloadState) -> nvme_tier.NvmeTier | None:
 
 def _with_refs(inner: Any, tier: nvme_tier.NvmeTier, k: int) -> Any:
   shared, per_leaf = tier.layout.split(inner)
-  specs = tier.specs
+  keys = set(tier.keys())
 
   def refs(i, part):
     arrays, treedef = jax.tree.flatten(part)
     out = []
     for j, x in enumerate(arrays):
-      spec = specs.get((i, j))
-      out.append(x if spec is None else _NvmeRef(k, (i, j), spec.shape, spec.dtype, x))
+      if (i, j) in keys:
+        x = _NvmeRef(k, (i, j), *tier.shape_dtype((i, j)), x)
+      out.append(x)
     return treedef.unflatten(out)
 
   return tier.layout.merge(shared, [refs(i, part) for i, part in enumerate(per_leaf)])
@@ -207,55 +215,104 @@ def _write_json(path: pathlib.Path, doc: dict[str, Any]) -> None:
   _fsync(path.parent, directory=True)
 
 
+def _root(directory: Any) -> pathlib.Path:
+  return pathlib.Path(os.fspath(directory)) / SUBDIR
+
+
 def _process_dir(directory: Any) -> pathlib.Path:
-  return pathlib.Path(os.fspath(directory)) / SUBDIR / f"process_{jax.process_index()}"
+  return _root(directory) / f"process_{jax.process_index()}"
 
 
 def _read_manifest(directory: Any) -> dict[str, Any]:
-  path = _process_dir(directory) / _MANIFEST
-  if not path.exists():
+  """This process's manifest, with every process's NVMe shards merged into its NVMe entries."""
+  own = _process_dir(directory) / _MANIFEST
+  paths = sorted(_root(directory).glob(f"process_*/{_MANIFEST}"))
+  if not own.exists() and not paths:
     raise FileNotFoundError(
-      f"{directory} is not a complete optax_offload checkpoint item: {path} is missing. Save "
+      f"{directory} is not a complete optax_offload checkpoint item: {own} is missing. Save "
       "optimizer states with oo.OffloadSave and restore them with oo.OffloadRestore."
     )
-  try:
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-      raise ValueError(f"format {manifest.get('format')!r} is not {FORMAT!r}")
-    if int(manifest["version"]) > FORMAT_VERSION:
-      raise ValueError(
-        f"version {manifest['version']} is newer than this optax_offload ({FORMAT_VERSION})"
-      )
-    manifest["arrays"] = list(manifest["arrays"])
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise nvme.NvmeCorruptionError(f"checkpoint manifest {path} cannot be read: {e}") from e
-  return manifest
+  if own in paths:  # this process's first: its non-NVMe entries are the ones used
+    paths = [own] + [p for p in paths if p != own]
+  manifests = []
+  for path in paths:
+    try:
+      manifest = json.loads(path.read_text())
+      if manifest.get("format") != FORMAT:
+        raise ValueError(f"format {manifest.get('format')!r} is not {FORMAT!r}")
+      if int(manifest["version"]) != FORMAT_VERSION:
+        raise ValueError(f"version {manifest['version']} is not {FORMAT_VERSION}")
+      manifest["arrays"] = list(manifest["arrays"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise nvme.NvmeCorruptionError(f"checkpoint manifest {path} cannot be read: {e}") from e
+    manifests.append(manifest)
+  first = manifests[0]
+  shards: dict[str, list[dict[str, Any]]] = {}
+  for manifest in manifests:
+    for entry in manifest["arrays"]:
+      if entry["nvme"] is not None:
+        shards.setdefault(entry["path"], []).extend(entry["nvme"])
+  for entry in first["arrays"]:
+    if entry["nvme"] is not None:  # a replicated array's shard is saved by every process: once
+      unique = {tuple(map(tuple, s["region"])): s for s in shards.get(entry["path"], [])}
+      entry["nvme"] = list(unique.values())
+  return first
 
 
-def _read_array(path: pathlib.Path, shape: tuple[int, ...], dtype: np.dtype, context) -> np.ndarray:
-  """Reads one NVMe-tier array of a checkpoint, checksums verified."""
-  spec = {
-    "driver": "zarr3",
-    "kvstore": {"driver": "file", "path": str(path).rstrip("/") + "/"},
-    "open": True,
-    "fill_missing_data_reads": False,
-  }
-  try:
-    store = ts.open(spec, read=True, context=context).result()
-    if tuple(store.domain.shape) != tuple(shape):
-      raise ValueError(f"its shape is {list(store.domain.shape)}, expected {list(shape)}")
-    data = store.read().result()
-  except Exception as e:  # TensorStore reports missing and corrupt files as ValueError and others.
-    raise nvme.NvmeCorruptionError(
-      f"NVMe data of the checkpoint at {path} failed verification: {e}"
-    ) from e
-  if data.dtype != dtype:
-    if data.dtype.itemsize != dtype.itemsize:
+def _region_slices(region: Sequence[Sequence[int]]) -> tuple[slice, ...]:
+  return tuple(slice(int(a), int(b)) for a, b in region)
+
+
+def _read_region(
+  directory: Any, shards: Sequence[dict[str, Any]], region, dtype: np.dtype, context
+) -> np.ndarray:
+  """Reads a box of an NVMe-tier array of a checkpoint from the saved shards that overlap it.
+
+  Checksums are verified; a box not covered by the saved shards is an error.
+  """
+  region = [(int(a), int(b)) for a, b in region]
+  out = np.empty([b - a for a, b in region], dtype)
+  covered = 0
+  for shard in shards:
+    saved = [(int(a), int(b)) for a, b in shard["region"]]
+    box = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, saved)]
+    if any(a >= b for a, b in box):
+      continue
+    path = _root(directory) / shard["file"]
+    spec = {
+      "driver": "zarr3",
+      "kvstore": {"driver": "file", "path": str(path).rstrip("/") + "/"},
+      "open": True,
+      "fill_missing_data_reads": False,
+    }
+    try:
+      store = ts.open(spec, read=True, context=context).result()
+      want = [b - a for a, b in saved]
+      if list(store.domain.shape) != want:
+        raise ValueError(f"its shape is {list(store.domain.shape)}, expected {want}")
+      data = store[tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(box, saved))].read().result()
+    except (
+      Exception
+    ) as e:  # TensorStore reports missing and corrupt files as ValueError and others.
       raise nvme.NvmeCorruptionError(
-        f"NVMe data of the checkpoint at {path} is {data.dtype}, expected {dtype}."
-      )
-    data = data.view(dtype)  # the store keeps dtypes zarr3 lacks as unsigned ints of that width
-  return data
+        f"NVMe data of the checkpoint at {path} failed verification: {e}"
+      ) from e
+    if data.dtype != dtype:
+      if data.dtype.itemsize != dtype.itemsize:
+        raise nvme.NvmeCorruptionError(
+          f"NVMe data of the checkpoint at {path} is {data.dtype}, expected {dtype}."
+        )
+      data = data.view(dtype)  # the store keeps dtypes zarr3 lacks as unsigned ints of that width
+    out[tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(box, region))] = data
+    covered += int(np.prod([b - a for a, b in box]))
+    if covered >= out.size:
+      break
+  if covered < out.size:
+    raise nvme.NvmeCorruptionError(
+      f"NVMe data of the checkpoint {directory} does not cover region {region} of an array: its "
+      "shards are missing (a process's optax_offload/process_* directory was lost?)."
+    )
+  return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,9 +399,11 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         entry = {"path": path, "shape": list(shape), "dtype": dtype, "nvme": None}
         if _is_ref(x):
           tier = plain.tiers[x.store]
-          src = tier.array_path(x.key, generations[x.store])
-          entry["nvme"] = f"store_{x.store}/{src.name}"
-          sources.append((src, entry["nvme"]))
+          entry["nvme"] = []
+          for region, src in tier.local_shards(x.key, generations[x.store]):
+            name = f"process_{jax.process_index()}/store_{x.store}/{src.name}"
+            entry["nvme"].append({"file": name, "region": [list(r) for r in region]})
+            sources.append((src, name))
           item_leaves.append(ocp.PLACEHOLDER)
         else:
           item_leaves.append(x)
@@ -363,7 +422,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
       root.mkdir(parents=True, exist_ok=True)
       start, modes = time.perf_counter(), set()
       for src, name in plan.sources:
-        modes.add(_link_tree(src, root / name, self._link))
+        modes.add(_link_tree(src, _root(directory) / name, self._link))
       transfer = "copy" if "copy" in modes else ("link" if modes else None)
       manifest = {
         "format": FORMAT,
@@ -442,7 +501,6 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     target = _decompose(args.item)
     saved = _check_matches(manifest, target, directory)
     context = ts.Context(_TS_CONTEXT)
-    root = _process_dir(directory)
     values = list(target.leaves)
     in_memory = [n for n, x in enumerate(target.leaves) if not _is_ref(x)]
     from_pytree = [n for n in in_memory if saved[target.paths[n]]["nvme"] is None]
@@ -454,8 +512,17 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
       entry = saved[target.paths[n]]
       if entry["nvme"] is not None:
         x = target.leaves[n]
-        data = _read_array(root / entry["nvme"], x.shape, np.dtype(x.dtype), context)
-        values[n] = jax.device_put(data, x.sharding) if hasattr(x, "sharding") else data
+        shape, dtype = tuple(x.shape), np.dtype(x.dtype)
+
+        def read(index, shards=entry["nvme"], shape=shape, dtype=dtype):
+          region = [sl.indices(d)[:2] for sl, d in zip(index, shape)]
+          return _read_region(directory, shards, region, dtype, context)
+
+        if isinstance(x, jax.Array):
+          values[n] = jax.make_array_from_callback(shape, x.sharding, read)
+          values[n] = _in_memory_space_of(values[n], x)
+        else:
+          values[n] = read(tuple(slice(None) for _ in shape))
     generations = {}
     for k, tier in enumerate(target.tiers):
       if tier is not None:
@@ -510,23 +577,26 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     store.sync()
     generation = store.new_generation()
     where = {x.key: n for n, x in enumerate(target.leaves) if _is_ref(x) and x.store == k}
-    key_of = {spec.name: key for key, spec in tier.specs.items()}
-    root = _process_dir(directory)
-    for group, specs in enumerate(store.groups):
-      members = [where[key_of[spec.name]] for spec in specs]
-      arrays: dict[int, Any] = {}
+    for group in range(len(store.groups)):
+      shards = tier.store_leaves(group)  # (key, region) of each store leaf
+      members = sorted({where[key] for key, _ in shards})
+      full: dict[int, Any] = {}
       from_pytree = [n for n in members if saved[target.paths[n]]["nvme"] is None]
-      if from_pytree:
+      if from_pytree:  # saved from memory: Orbax reads the whole array (as numpy)
         flat = self._restore_pytree(
           directory, target, from_pytree, [None] * len(target.leaves), numpy=True
         )
-        arrays.update({n: np.asarray(flat[n]) for n in from_pytree})
-      for n in members:
-        if n not in arrays:
-          ref = target.leaves[n]
-          path = root / saved[target.paths[n]]["nvme"]
-          arrays[n] = _read_array(path, ref.shape, np.dtype(ref.dtype), context)
-      store.put(group, generation, [arrays[n] for n in members])
+        full.update({n: np.asarray(flat[n]) for n in from_pytree})
+      arrays = []
+      for key, region in shards:
+        n = where[key]
+        if n in full:
+          arrays.append(np.ascontiguousarray(full[n][_region_slices(region)]))
+        else:
+          dtype = np.dtype(target.leaves[n].dtype)
+          shards_saved = saved[target.paths[n]]["nvme"]
+          arrays.append(_read_region(directory, shards_saved, region, dtype, context))
+      store.put(group, generation, arrays)
     store.commit(generation)
     store.sync()
     logger.info("optax_offload checkpoint %s: restored into %s.", directory, store)

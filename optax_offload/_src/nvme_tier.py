@@ -3,17 +3,26 @@
 One `NvmeTier` per parameter tree of an `offload` transformation. It owns an `NvmeStore` in
 ``nvme_dir/process_{i}`` and is found again from a state through the id the state carries
 (``OffloadState.nvme_store``), so that `footprint`, `to_inner` and checkpoints can reach the data.
-In a jitted update, each group with NVMe leaves costs two `io_callback`s: one fetch (served from the
-store's prefetch pool) and one put (written behind); two more per update allocate and commit the
-generation.
+
+Sharding: every NVMe array keeps its param's sharding (a ``NamedSharding`` over one mesh; params on
+one device form a one-device mesh). Each process stores only the distinct shards its devices hold,
+once each (a replicated array once per process, not once per device), as store leaves
+``leaf{i}_part{j}_shard{s}`` (``s`` numbers the array's distinct shards in the order of their
+offsets). The callbacks run shard-locally, inside `jax.shard_map`, on every device of the mesh; a
+`_Rendezvous` joins the calls of one process's devices into one store operation each, so in a
+jitted update each group with NVMe leaves costs one store fetch (served from the prefetch pool) and
+one store put (written behind), and each update one allocation and one commit of a generation.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import itertools
 import logging
 import os
 import pathlib
+import threading
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from optax_offload._src import nvme
 from optax_offload._src import plan as plan_lib
@@ -32,6 +43,8 @@ logger = logging.getLogger(__name__)
 # transformation that made it is gone: the states that name it stay usable.
 _REGISTRY: dict[int, NvmeTier] = {}
 _IDS = itertools.count(1)
+_TOKEN = jax.ShapeDtypeStruct((2,), jnp.int32)
+_SINGLE_AXIS = "nvme_device"
 
 
 def lookup(store_id: Any) -> NvmeTier:
@@ -57,6 +70,178 @@ def placeholder(x: Any) -> jax.Array:
   return jnp.zeros((0,), x.dtype)
 
 
+Region = tuple[tuple[int, int], ...]
+"""A box of an array: (start, stop) per dimension."""
+
+
+def shard_regions(
+  sharding: jax.sharding.Sharding, shape: Sequence[int]
+) -> tuple[list[Region], dict[int, int]]:
+  """The distinct shards of an array (sorted by offsets) and each device's shard number, by device id."""
+  shape = tuple(shape)
+
+  def region(index) -> Region:
+    return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+
+  by_device = {d.id: region(i) for d, i in sharding.devices_indices_map(shape).items()}
+  regions = sorted(set(by_device.values()))
+  number = {r: n for n, r in enumerate(regions)}
+  return regions, {d: number[r] for d, r in by_device.items()}
+
+
+def _mesh_and_spec(sharding: Any, part_shape, param_shape) -> tuple[jax.sharding.Mesh, P]:
+  """Where an NVMe array lives: its param's mesh and spec (replicated when shaped otherwise)."""
+  if isinstance(sharding, NamedSharding):
+    spec = sharding.spec if tuple(part_shape) == tuple(param_shape) else P()
+    return sharding.mesh, spec
+  if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    device = jax.local_devices()[0] if sharding is None else next(iter(sharding.device_set))
+    return jax.sharding.Mesh(np.array([device]), (_SINGLE_AXIS,)), P()
+  raise NotImplementedError(
+    f"The NVMe tier needs params with a NamedSharding (or on one device), got {sharding}. Put the "
+    "params on a jax.sharding.Mesh with NamedSharding."
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Array:
+  """One NVMe-tier array: its place in the state, its sharding, and the shards this process stores."""
+
+  key: tuple[int, int]  # (leaf index, index of the array in the leaf's state part)
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  spec: P
+  regions: list[Region]  # all distinct shards
+  number: dict[int, int]  # device id -> shard number
+  local: list[int]  # the shard numbers this process stores
+
+  def name(self, shard: int) -> str:
+    i, j = self.key
+    return f"leaf{i:05d}_part{j}_shard{shard:04d}"
+
+  def shard_shape(self) -> tuple[int, ...]:
+    return tuple(b - a for a, b in self.regions[self.local[0]])
+
+
+class _Rendezvous:
+  """Joins the callbacks of this process's devices into one store operation each.
+
+  Every device of the mesh runs each callback of the update with its own shards. The first device
+  to fetch a group reads it (from the prefetch pool) for all; the last device to put a group hands
+  the group to the store; the last to commit commits; the generation an update writes is allocated
+  once per update. A device that runs ahead waits for the others' puts before it reads what they
+  put. A failure in one device's callback is re-raised in the others'.
+  """
+
+  def __init__(self, store: nvme.NvmeStore, devices: int):
+    self.store, self.devices = store, devices
+    self._cond = threading.Condition()
+    self._begins: collections.Counter[int] = collections.Counter()  # device -> updates begun
+    self._children: dict[int, list[Any]] = {}  # update number -> [generation, devices left]
+    self._fetch_counts: collections.Counter[tuple[int, int]] = collections.Counter()
+    self._fetched: dict[
+      tuple[int, int], list[Any]
+    ] = {}  # (group, n) -> [arrays by name, devices left]
+    self._puts: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
+    self._putting: set[tuple[int, int]] = set()
+    self._commits: collections.Counter[int] = collections.Counter()
+    self._error: BaseException | None = None
+
+  def _check(self) -> None:
+    if self._error is not None:
+      raise RuntimeError(f"NVMe tier: another device's callback failed: {self._error}")
+
+  def _fail(self, error: BaseException) -> None:
+    with self._cond:
+      self._error = self._error or error
+      self._cond.notify_all()
+
+  def begin(self, device: int, parent: int) -> int:
+    with self._cond:
+      self._check()
+      n = self._begins[device]
+      self._begins[device] += 1
+      if n not in self._children:
+        self._children[n] = [self.store.new_generation(parent=parent), self.devices]
+      entry = self._children[n]
+      entry[1] -= 1
+      if entry[1] == 0:
+        del self._children[n]
+      return entry[0]
+
+  def fetch(self, device: int, group: int, generation: int, names: Sequence[str]) -> dict[str, Any]:
+    key = (group, generation)
+    with self._cond:
+      # The n-th fetch of a group by each device is one store fetch (an update fetches each once).
+      n = self._fetch_counts[(device, group)]
+      self._fetch_counts[(device, group)] += 1
+      while True:
+        self._check()
+        entry = self._fetched.get((group, n))
+        if entry is not None:
+          reader = False
+          break
+        if key not in self._puts and key not in self._putting:  # wait for what others still put
+          entry = self._fetched[(group, n)] = [None, self.devices]
+          reader = True
+          break
+        self._cond.wait()
+      while not reader and entry[0] is None:
+        self._cond.wait()
+        self._check()
+    if reader:
+      try:
+        arrays = self.store.fetch(group, generation)
+      except BaseException as e:
+        self._fail(e)
+        raise
+      with self._cond:
+        entry[0] = dict(zip(names, arrays))
+        self._cond.notify_all()
+    with self._cond:
+      entry[1] -= 1
+      if entry[1] == 0:
+        del self._fetched[(group, n)]
+      return entry[0]
+
+  def put(self, device: int, group: int, generation: int, arrays: dict[str, Any], names) -> None:
+    key = (group, generation)
+    with self._cond:
+      self._check()
+      puts = self._puts.setdefault(key, {})
+      puts[device] = arrays
+      if len(puts) < self.devices:
+        return
+      del self._puts[key]
+      self._putting.add(key)
+    merged: dict[str, Any] = {}
+    for arrays_of_device in puts.values():
+      for name, array in arrays_of_device.items():
+        merged.setdefault(name, array)
+    try:
+      self.store.put(group, generation, [merged[name] for name in names])
+    except BaseException as e:
+      self._fail(e)
+      raise
+    finally:
+      with self._cond:
+        self._putting.discard(key)
+        self._cond.notify_all()
+
+  def commit(self, device: int, generation: int, parent: int) -> None:
+    with self._cond:
+      self._check()
+      self._commits[generation] += 1
+      if self._commits[generation] < self.devices:
+        return
+      del self._commits[generation]
+    try:
+      self.store.commit(generation, parent=parent)
+    except BaseException as e:
+      self._fail(e)
+      raise
+
+
 class NvmeTier:
   """The NVMe-tier state arrays of one parameter tree, and their store.
 
@@ -65,6 +250,8 @@ class NvmeTier:
     groups: the plan's groups of leaf indices.
     array_tiers: per leaf, the tier of each array of its state part (in `jax.tree.leaves` order).
     parts: abstract state parts per leaf (`jax.ShapeDtypeStruct` trees).
+    param_shapes: per leaf, the param's shape.
+    shardings: per leaf, the param's sharding (None: the first local device).
     **store_kwargs: passed to `NvmeStore` (prefetch_depth, write_depth, chunk_bytes).
   """
 
@@ -77,71 +264,140 @@ class NvmeTier:
     groups: Sequence[Sequence[int]],
     array_tiers: Sequence[Sequence[plan_lib.Tier]],
     parts: Sequence[Any],
+    param_shapes: Sequence[tuple[int, ...]],
+    shardings: Sequence[Any],
     **store_kwargs,
   ):
-    nvme_arrays = {
-      i: [j for j, t in enumerate(kinds) if t is plan_lib.Tier.NVME]
-      for i, kinds in enumerate(array_tiers)
-    }
-    self._specs: dict[tuple[int, int], nvme.LeafSpec] = {}
-    for i, js in nvme_arrays.items():
-      arrays = jax.tree.leaves(parts[i])
-      for j in js:
-        x = arrays[j]
-        self._specs[(i, j)] = nvme.LeafSpec(
-          f"leaf{i:05d}_part{j}", tuple(x.shape), np.dtype(x.dtype)
+    self._arrays: dict[tuple[int, int], _Array] = {}
+    meshes = {}
+    for i, kinds in enumerate(array_tiers):
+      for j, x in enumerate(jax.tree.leaves(parts[i])):
+        if kinds[j] is not plan_lib.Tier.NVME:
+          continue
+        mesh, spec = _mesh_and_spec(shardings[i], x.shape, param_shapes[i])
+        meshes.setdefault(mesh, (i, shardings[i]))
+        regions, number = shard_regions(NamedSharding(mesh, spec), x.shape)
+        local = sorted(
+          {number[d.id] for d in mesh.devices.flat if d.process_index == jax.process_index()}
         )
-    # Store groups: the plan's groups restricted to NVMe arrays, in update order.
+        self._arrays[(i, j)] = _Array(
+          (i, j), tuple(x.shape), np.dtype(x.dtype), spec, regions, number, local
+        )
+    if len(meshes) > 1:
+      raise NotImplementedError(
+        "The NVMe tier needs every param whose state goes to NVMe on one mesh; got "
+        f"{len(meshes)}: "
+        + "; ".join(f"leaf {i}: {sh}" for i, sh in meshes.values())
+        + ". Put the params on one jax.sharding.Mesh (NamedSharding), or raise host_limit."
+      )
+    (self.mesh,) = meshes
+    self._local_devices = [
+      d for d in self.mesh.devices.flat if d.process_index == jax.process_index()
+    ]
+    # Store groups: the plan's groups restricted to NVMe arrays, in update order; each holds the
+    # shards of its arrays that this process stores.
     self.groups: dict[int, int] = {}
     self._members: list[list[tuple[int, int]]] = []
     for k, group in enumerate(groups):
-      members = [(i, j) for i in group for j in nvme_arrays[i]]
+      members = [key for i in group for key in sorted(self._arrays) if key[0] == i]
       if members:
         self.groups[k] = len(self._members)
         self._members.append(members)
+    self._names = [
+      [a.name(s) for a in map(self._arrays.get, members) for s in a.local]
+      for members in self._members
+    ]
     self.store = nvme.NvmeStore(
       directory,
-      [[self._specs[key] for key in members] for members in self._members],
+      [
+        [
+          nvme.LeafSpec(a.name(s), a.shard_shape(), a.dtype)
+          for a in map(self._arrays.get, m)
+          for s in a.local
+        ]
+        for m in self._members
+      ],
       **store_kwargs,
     )
+    self._rendezvous = _Rendezvous(self.store, len(self._local_devices))
     self.id = next(_IDS)
     _REGISTRY[self.id] = self
 
   # -- host side --------------------------------------------------------------------------------------
 
   def bytes(self) -> int:
+    """Bytes of one generation in this process's store (its shards)."""
     return self.store.bytes_on_disk()
 
-  @property
-  def specs(self) -> dict[tuple[int, int], nvme.LeafSpec]:
-    """The `LeafSpec` of each NVMe array, keyed by (leaf index, index of the array in its part)."""
-    return dict(self._specs)
+  def keys(self) -> list[tuple[int, int]]:
+    """The NVMe arrays, as (leaf index, index of the array in the leaf's state part)."""
+    return sorted(self._arrays)
 
-  def array_path(self, key: tuple[int, int], generation: int) -> pathlib.Path:
-    """The directory of one NVMe array's zarr3 files in a committed generation (e.g. to link them)."""
-    return self.store.generation_path(generation) / nvme._leaf_dirname(self._specs[key].name)
+  def shape_dtype(self, key: tuple[int, int]) -> tuple[tuple[int, ...], np.dtype]:
+    """The global shape and dtype of an NVMe array."""
+    a = self._arrays[key]
+    return a.shape, a.dtype
+
+  def sharding(self, key: tuple[int, int], memory_kind: str | None = None) -> NamedSharding:
+    """The sharding of an NVMe array (its param's mesh)."""
+    return NamedSharding(self.mesh, self._arrays[key].spec, memory_kind=memory_kind)
+
+  def local_shards(
+    self, key: tuple[int, int], generation: int
+  ) -> list[tuple[Region, pathlib.Path]]:
+    """This process's shards of an NVMe array in a committed generation: (region, zarr3 directory)."""
+    a = self._arrays[key]
+    gen = self.store.generation_path(generation)
+    return [(a.regions[s], gen / nvme._leaf_dirname(a.name(s))) for s in a.local]
+
+  def store_leaves(self, store_group: int) -> list[tuple[tuple[int, int], Region]]:
+    """The leaves of a store group, in store order: (NVMe array key, region of its shard)."""
+    return [
+      (key, self._arrays[key].regions[s])
+      for key in self._members[store_group]
+      for s in self._arrays[key].local
+    ]
 
   def write_group(self, plan_group: int, generation: int, parts: Mapping[int, Any]) -> None:
-    """Queues one plan group's NVMe arrays of a generation (write-behind); `parts` by leaf index."""
+    """Queues one plan group's NVMe arrays of a generation (write-behind); `parts` by leaf index.
+
+    The arrays are global `jax.Array`s (this process's shards are read) or numpy arrays.
+    """
     sg = self.groups[plan_group]
-    self.store.put(sg, generation, [np.asarray(a) for a in _select(parts, self._members[sg])])
+    arrays = []
+    for key, x in zip(self._members[sg], _select(parts, self._members[sg])):
+      a = self._arrays[key]
+      if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        by_shard = {a.number[sh.device.id]: sh.data for sh in x.addressable_shards}
+        arrays += [np.asarray(by_shard[s]) for s in a.local]
+      else:
+        x = np.asarray(x)
+        arrays += [x[tuple(slice(*r) for r in a.regions[s])] for s in a.local]
+    self.store.put(sg, generation, arrays)
 
   def commit(self, generation: int) -> None:
     self.store.commit(generation)
     self.store.sync()
 
-  def read(self, generation: int) -> dict[tuple[int, int], np.ndarray]:
-    """Every NVMe array of a committed generation (blocking, checksums verified)."""
-    arrays = self.store.read_generation(int(generation))
-    return {key: arrays[spec.name] for key, spec in self._specs.items()}
-
   def materialize(self, inner_state: Any, generation: Any, memory_kind: str = "pinned_host") -> Any:
-    """The inner state with its NVMe placeholders replaced by the data of `generation`."""
+    """The inner state with its NVMe placeholders replaced by the data of `generation`.
+
+    The arrays are global arrays with their params' shardings, built from this process's shards.
+    """
     shared, per_leaf = self.layout.split(inner_state)
-    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind=memory_kind)
-    arrays = {
-      k: jax.device_put(v, sharding) for k, v in self.read(int(np.asarray(generation))).items()
-    }
+    stored = self.store.read_generation(int(np.asarray(generation)))
+    arrays = {}
+    for key, a in self._arrays.items():
+      shards = [
+        jax.device_put(
+          stored[a.name(a.number[d.id])],
+          jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind),
+        )
+        for d in self._local_devices
+      ]
+      arrays[key] = jax.make_array_from_single_device_arrays(
+        a.shape, self.sharding(key, memory_kind), shards
+      )
     return self.layout.merge(shared, [_insert(i, part, arrays) for i, part in enumerate(per_leaf)])
 
   def close(self) -> None:
@@ -150,54 +406,80 @@ class NvmeTier:
     _REGISTRY.pop(self.id, None)
 
   # -- traced side (inside jit) -----------------------------------------------------------------------
-  # The callbacks of one update thread a token, ``[parent, child]``: the generation the state names and
-  # the one this update writes, so that they run in program order through data dependencies. (Ordered
-  # io_callbacks would do the same, but JAX 0.10 fails to lower them in a jit whose outputs carry memory
-  # kinds.) The child is a fresh generation number, not ``parent + 1``: an update may start again from the
-  # same state (`optax.MultiSteps` computes every mini-step from the state of the last real step).
+  # Each callback runs on every device of the mesh (`jax.shard_map`) and takes and returns a token,
+  # ``[parent, child]``: the generation the state names and the one this update writes, so that the
+  # callbacks run in program order through data dependencies. (Ordered io_callbacks would do the
+  # same, but JAX 0.10 fails to lower them in a jit whose outputs carry memory kinds.) The child is a
+  # fresh generation number, not ``parent + 1``: an update may start again from the same state
+  # (`optax.MultiSteps` computes every mini-step from the state of the last real step).
+
+  def _device(self, position: Any) -> int:
+    return self.mesh.devices[tuple(int(v) for v in np.asarray(position))].id
+
+  def _shard_local(self, callback, result_shapes, out_specs, *args, in_specs):
+    """Runs ``callback(device_id, *local_args)`` as an io_callback on every device of the mesh."""
+    mesh = self.mesh
+
+    def body(*local):
+      position = jnp.stack([jax.lax.axis_index(a) for a in mesh.axis_names]).astype(jnp.int32)
+      return io_callback(
+        lambda pos, *xs: callback(self._device(pos), *xs), result_shapes, position, *local
+      )
+
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+      *args
+    )
 
   def begin_traced(self, generation: jax.Array) -> jax.Array:
-    """One callback allocating the generation this update writes; returns the token."""
+    """Allocates the generation this update writes; returns the token."""
 
-    def _begin(parent):
-      return np.asarray([parent, self.store.new_generation(parent=int(parent))], np.int32)
+    def _begin(device, parent):
+      child = self._rendezvous.begin(device, int(parent))
+      return np.asarray([parent, child], np.int32)
 
-    return io_callback(_begin, jax.ShapeDtypeStruct((2,), jnp.int32), generation)
+    return self._shard_local(_begin, _TOKEN, P(), generation, in_specs=(P(),))
 
   def fetch(
     self, plan_group: int, token: jax.Array
   ) -> tuple[dict[tuple[int, int], Any], jax.Array]:
-    """One callback returning the group's NVMe arrays of the parent generation, and the token."""
+    """The group's NVMe arrays of the parent generation (global, sharded like their params)."""
     sg = self.groups[plan_group]
-    members = self._members[sg]
-    shapes = [jax.ShapeDtypeStruct(self._specs[k].shape, self._specs[k].dtype) for k in members]
+    members = [self._arrays[k] for k in self._members[sg]]
+    shapes = [jax.ShapeDtypeStruct(a.shard_shape(), a.dtype) for a in members]
 
-    def _fetch(token):
-      arrays = [np.ascontiguousarray(a) for a in self.store.fetch(sg, int(token[0]))]
-      return [np.asarray(token, np.int32), *arrays]
+    def _fetch(device, token):
+      arrays = self._rendezvous.fetch(device, sg, int(token[0]), self._names[sg])
+      return [np.asarray(token), *[np.asarray(arrays[a.name(a.number[device])]) for a in members]]
 
-    token, *flat = io_callback(_fetch, [jax.ShapeDtypeStruct((2,), jnp.int32), *shapes], token)
-    return dict(zip(members, flat)), token
+    out_specs = [P(), *[a.spec for a in members]]
+    token, *flat = self._shard_local(_fetch, [_TOKEN, *shapes], out_specs, token, in_specs=(P(),))
+    return dict(zip(self._members[sg], flat)), token
 
   def put(self, plan_group: int, token: jax.Array, parts: Mapping[int, Any]) -> jax.Array:
-    """One callback handing the group's new arrays (of the child generation) to the writer thread."""
+    """Hands the group's new arrays (of the child generation) to the writer thread."""
     sg = self.groups[plan_group]
+    members = [self._arrays[k] for k in self._members[sg]]
 
-    def _put(token, *arrays):
-      self.store.put(sg, int(token[1]), list(arrays))
-      return np.asarray(token, np.int32)
+    def _put(device, token, *shards):
+      arrays = {a.name(a.number[device]): x for a, x in zip(members, shards)}
+      self._rendezvous.put(device, sg, int(token[1]), arrays, self._names[sg])
+      return np.asarray(token)
 
     flat = _select(parts, self._members[sg])
-    return io_callback(_put, jax.ShapeDtypeStruct((2,), jnp.int32), token, *flat)
+    return self._shard_local(
+      _put, _TOKEN, P(), token, *flat, in_specs=(P(), *[a.spec for a in members])
+    )
 
   def commit_traced(self, token: jax.Array) -> jax.Array:
-    """One callback queueing the commit of the child generation; returns its number."""
+    """Commits the child generation (once every device put its shards); returns its number."""
 
-    def _commit(token):
-      self.store.commit(int(token[1]), parent=int(token[0]))
+    def _commit(device, token):
+      self._rendezvous.commit(device, int(token[1]), int(token[0]))
       return np.asarray(token[1], np.int32)
 
-    return io_callback(_commit, jax.ShapeDtypeStruct((), jnp.int32), token)
+    return self._shard_local(
+      _commit, jax.ShapeDtypeStruct((), jnp.int32), P(), token, in_specs=(P(),)
+    )
 
 
 def _select(parts: Mapping[int, Any], keys: Sequence[tuple[int, int]]) -> list[Any]:

@@ -233,17 +233,13 @@ def offload(
     )
     tier = None
     if any(plan_lib.Tier.NVME in ts for ts in array_tiers):
-      if jax.process_count() > 1:
-        raise NotImplementedError(
-          "The NVMe tier across several processes (each writing its own shards) is not implemented "
-          "yet: with jax.distributed, raise host_limit so the state fits in pinned host memory, or "
-          "run one process per host."
-        )
       tier = nvme_tier.NvmeTier(
         nvme_tier.process_directory(nvme_dir),
         the_plan.groups,
         array_tiers,
         per_leaf,
+        [tuple(a.shape) for a in avals],
+        shardings,
         **nvme_options,
       )
       tier.layout = layout
@@ -421,7 +417,16 @@ def _init_nvme(inner, setup: _Setup, generation: int, build_params, concrete) ->
       masked = layout.masked(layout.params_treedef.flatten_up_to(params_tree), group)
       return layout.unview(inner.init(masked), group)[1]
 
-    tier.write_group(k, generation, jax.jit(group_init)(*concrete))
+    parts = jax.eval_shape(group_init, *concrete)
+    out_shardings = {
+      i: _map_arrays(
+        part,
+        setup.array_tiers[i],
+        lambda t, j, x, i=i: tier.sharding((i, j)) if t is plan_lib.Tier.NVME else None,
+      )
+      for i, part in parts.items()
+    }
+    tier.write_group(k, generation, jax.jit(group_init, out_shardings=out_shardings)(*concrete))
   tier.commit(generation)
 
 
