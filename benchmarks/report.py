@@ -2,8 +2,9 @@
 
 Runs, in this order, each benchmark module of this folder that exists (a missing one is skipped with a
 line saying so): ``host_tier`` (step time of the host tier against plain optax), ``host_update``
-(the CPU-side update), ``nvme_tier`` (the NVMe tier against the raw disk) and ``gpu`` (device memory
-and link bandwidth; skips itself without a GPU). Each has ``main(argv) -> dict`` and writes its JSON to
+(the CPU-side update), ``nvme_tier`` (the NVMe tier against the raw disk), ``gpu`` (device memory
+and link bandwidth; skips itself without a GPU) and ``multiprocess`` (2 processes on loopback against
+1 process: bytes per tier per process, step time). Each has ``main(argv) -> dict`` and writes its JSON to
 ``--out``; this script then writes ``REPORT.md`` and PNG plots next to them. Every ratio in the report
 compares runs measured in the same invocation (interleaved by the benchmark itself), so machine load
 hits both sides alike.
@@ -31,7 +32,7 @@ import sys
 import time
 import traceback
 
-BENCHMARKS = ("host_tier", "host_update", "nvme_tier", "gpu")
+BENCHMARKS = ("host_tier", "host_update", "nvme_tier", "gpu", "multiprocess")
 """Benchmark modules in `benchmarks/`, in the order they run."""
 
 SIZES = {

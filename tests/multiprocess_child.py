@@ -1,13 +1,20 @@
 """One process of a 2-process CPU run on loopback (2 devices each), or the 1-process 4-device reference.
 
-Usage: python multiprocess_child.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
+Usage: python multiprocess_child.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR [--fault] [--steps N]
 Trains make_params() sharded over a 4-device mesh for 10 steps with offloaded (host-tier) AdamW and
 writes the gathered params and this process's footprint to OUT_DIR.
+
+--steps N: train N steps instead (benchmarks/multiprocess.py), and write the median step time.
+--fault: the kill-one-process test. Short coordination timeouts (`FAULT_TIMEOUTS`); trains with
+global-norm clipping outside offload (an all-reduce across processes every step) for up to
+`FAULT_MAX_STEPS` steps, writing OUT_DIR/step3_{PROCESS_ID} after step 3, and prints timestamped
+progress and the error to stderr. The parent kills one process and times how the other one ends.
 """
 
 import json
 import os
 import sys
+import time
 
 process_id, num_processes, port, out_dir = (
   int(sys.argv[1]),
@@ -15,6 +22,12 @@ process_id, num_processes, port, out_dir = (
   sys.argv[3],
   sys.argv[4],
 )
+FAULT = "--fault" in sys.argv[5:]
+STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 10
+FAULT_TIMEOUTS = {"heartbeat_timeout_seconds": 10, "shutdown_timeout_seconds": 10}
+"""Coordination-service limits in fault mode: a dead peer is declared after 10 s without heartbeats
+(JAX's default is 100 s), and a shutdown waits at most 10 s for the others (default 300 s)."""
+FAULT_MAX_STEPS = 100_000
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // num_processes}"
 
 import jax  # noqa: E402
@@ -22,7 +35,10 @@ import jax  # noqa: E402
 if num_processes > 1:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
-    f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
+    f"127.0.0.1:{port}",
+    num_processes=num_processes,
+    process_id=process_id,
+    **(FAULT_TIMEOUTS if FAULT else {}),
   )
 
 import numpy as np  # noqa: E402
@@ -44,6 +60,10 @@ SPECS = {
 }
 
 
+def log(msg: str) -> None:
+  print(f"[process {process_id} t={time.time():.3f}] {msg}", file=sys.stderr, flush=True)
+
+
 def global_array(x, spec, mesh):
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
@@ -54,6 +74,8 @@ def main():
   host_params = make_params()
   params = jax.tree.map(lambda x, s: global_array(x, s, mesh), host_params, SPECS)
   tx = oo.offload(optax.adamw(1e-2), window_bytes=100_000)
+  if FAULT:  # clipping outside offload: every step all-reduces across the processes
+    tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
   state = tx.init(params)
 
   @jax.jit
@@ -61,9 +83,16 @@ def main():
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  for t in range(10):
+  if FAULT:
+    fault(step, params, state, host_params, mesh)
+    return
+  times = []
+  for t in range(STEPS):
     grads = jax.tree.map(lambda x, s: global_array(x, s, mesh), make_grads(host_params, t), SPECS)
+    t0 = time.perf_counter()
     params, state = step(params, state, grads)
+    jax.block_until_ready((params, state))
+    times.append(time.perf_counter() - t0)
   kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.inner[0].mu)})
   gathered = multihost_utils.process_allgather(params, tiled=True)
   mu = multihost_utils.process_allgather(oo.to_inner(state, memory_kind="device")[0].mu, tiled=True)
@@ -74,10 +103,38 @@ def main():
   if process_id == 0:
     np.savez(os.path.join(out_dir, "result.npz"), **flat)
   with open(os.path.join(out_dir, f"footprint_{process_id}.json"), "w") as f:
-    json.dump({"footprint": oo.footprint(state), "memory_kinds": kinds}, f)
+    json.dump(
+      {
+        "footprint": oo.footprint(state),
+        "memory_kinds": kinds,
+        "backend": jax.default_backend(),
+        "step_s": times,
+        "median_step_s": float(np.median(times[1:] if len(times) > 1 else times)),
+      },
+      f,
+    )
   if num_processes > 1:
     jax.distributed.shutdown()
 
 
+def fault(step, params, state, host_params, mesh):
+  """Trains until killed or failed; the error, if any, propagates (non-zero exit)."""
+  grads = jax.tree.map(lambda x, s: global_array(x, s, mesh), make_grads(host_params, 0), SPECS)
+  log("training")
+  for t in range(FAULT_MAX_STEPS):
+    params, state = step(params, state, grads)
+    jax.block_until_ready((params, state))
+    if t == 3:
+      with open(os.path.join(out_dir, f"step3_{process_id}"), "w") as f:
+        f.write(str(time.time()))
+      log("step 3 done")
+  log(f"finished {FAULT_MAX_STEPS} steps: the peer was never lost")
+
+
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except BaseException as e:
+    if FAULT:
+      log(f"failed: {type(e).__name__}: {e}")
+    raise

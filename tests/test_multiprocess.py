@@ -1,12 +1,18 @@
-"""Offloaded state across processes: 2 processes x 2 CPU devices on loopback == 1 process x 4 devices."""
+"""Offloaded state across processes: 2 processes x 2 CPU devices on loopback == 1 process x 4 devices.
+
+Also: when one process of a run is killed, the other one fails fast with a clear error.
+"""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
+import pytest
 
 HERE = os.path.dirname(__file__)
 
@@ -17,27 +23,29 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run(num_processes: int, out_dir, timeout: float = 300):
+def _spawn(num_processes: int, out_dir, *flags: str, logs=None) -> list[subprocess.Popen]:
+  """Starts the processes of one run of multiprocess_child.py; output to pipes, or to `logs[i]`."""
   port = str(_free_port())
   env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("XLA_FLAGS", None)
-  procs = [
-    subprocess.Popen(
-      [
-        sys.executable,
-        os.path.join(HERE, "multiprocess_child.py"),
-        str(i),
-        str(num_processes),
-        port,
-        str(out_dir),
-      ],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
+  child = os.path.join(HERE, "multiprocess_child.py")
+  procs = []
+  for i in range(num_processes):
+    out = subprocess.PIPE if logs is None else logs[i]
+    procs.append(
+      subprocess.Popen(
+        [sys.executable, child, str(i), str(num_processes), port, str(out_dir), *flags],
+        env=env,
+        stdout=out,
+        stderr=subprocess.PIPE if logs is None else subprocess.STDOUT,
+        text=True,
+      )
     )
-    for i in range(num_processes)
-  ]
+  return procs
+
+
+def _run(num_processes: int, out_dir, timeout: float = 300):
+  procs = _spawn(num_processes, out_dir)
   outs = []
   try:
     for p in procs:
@@ -67,3 +75,56 @@ def test_two_processes_equal_one_process_bit_for_bit(tmp_path):
   host_two = [f["footprint"]["host"] for f in fp_two]
   assert host_two[0] == host_two[1]
   assert host_two[0] + host_two[1] == host_one
+
+
+FAULT_BOUND_S = 60
+"""Most seconds the survivor may live after its peer is killed. The child sets a 10 s heartbeat
+timeout; measured here: 8-11 s when the coordinator survives (the coordination service declares the
+peer dead), under 1 s when the coordinator is the one killed (sockets close at once)."""
+
+_FAULT_ERRORS = (
+  "JAX distributed service detected fatal errors",  # the coordination service's verdict
+  "Gloo all-reduce failed",  # a collective that saw the socket close
+)
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["kill_worker", "kill_coordinator"])
+def test_killed_process_fails_the_survivor_fast(tmp_path, victim):
+  """SIGKILL one process mid-training: the other exits non-zero with a clear error, in bounded time.
+
+  The children train with global-norm clipping outside offload, so every step all-reduces across
+  the processes, as data-parallel training does.
+  """
+  paths = [tmp_path / f"log_{i}.txt" for i in range(2)]
+  logs = [open(path, "w") for path in paths]
+  procs = []
+  try:
+    procs = _spawn(2, tmp_path, "--fault", logs=logs)
+    marker = tmp_path / f"step3_{victim}"
+    deadline = time.monotonic() + 240  # two cold starts on a loaded 2-core machine
+    while not marker.exists():
+      for i, p in enumerate(procs):
+        assert p.poll() is None, f"process {i} exited early:\n{paths[i].read_text()[-3000:]}"
+      assert time.monotonic() < deadline, "step 3 not reached in time"
+      time.sleep(0.1)
+    procs[victim].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    survivor = procs[1 - victim]
+    try:
+      code = survivor.wait(timeout=FAULT_BOUND_S + 30)
+    except subprocess.TimeoutExpired:
+      code = None
+    elapsed = time.monotonic() - killed
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+    for f in logs:
+      f.close()
+  log = paths[1 - victim].read_text()
+  assert code is not None, f"the survivor still ran {elapsed:.0f} s after its peer was killed"
+  assert code != 0, log[-3000:]
+  assert elapsed < FAULT_BOUND_S, f"{elapsed:.1f} s\n{log[-3000:]}"
+  assert any(e in log for e in _FAULT_ERRORS), log[-3000:]
+  assert "the peer was never lost" not in log
+  print(f"survivor exited with {code} {elapsed:.1f} s after the kill")

@@ -164,7 +164,7 @@ def offload(
 
   Raises:
     ValueError: for a bad argument.
-    NotImplementedError: for a feature that is not implemented yet.
+    NotImplementedError: at init, when params whose state goes to NVMe are not on one mesh.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
