@@ -27,7 +27,9 @@ def make_tree(total: float, leaves: int, dtype=jnp.float32) -> dict:
   cols = 2048
   rows = max(int(total / leaves / cols), 1)
   keys = jax.random.split(jax.random.key(0), leaves)
-  return {f"layer_{i:02d}": jax.random.normal(k, (rows, cols), dtype) * 0.02 for i, k in enumerate(keys)}
+  return {
+    f"layer_{i:02d}": jax.random.normal(k, (rows, cols), dtype) * 0.02 for i, k in enumerate(keys)
+  }
 
 
 def make_step(tx):
@@ -91,7 +93,9 @@ def main(argv=None) -> dict:
   }
   for name, m in medians.items():
     print(f"{name:>18}: median {m * 1e3:8.2f} ms")
-  print(f"offload / plain          = {result['ratio_offload_vs_plain']:.3f}  ({args.groups} groups)")
+  print(
+    f"offload / plain          = {result['ratio_offload_vs_plain']:.3f}  ({args.groups} groups)"
+  )
   print(f"offload(1 group) / plain = {result['ratio_one_group_vs_plain']:.3f}")
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out, "w") as f:

@@ -94,9 +94,7 @@ def main(argv=None) -> dict:
     "params": n,
     "reps": args.reps,
     "median_s": med,
-    "cpu_over_wall": {
-      name: sum(run[4]) / sum(run[3]) for name, run in runs.items()
-    },
+    "cpu_over_wall": {name: sum(run[4]) / sum(run[3]) for name, run in runs.items()},
     "copy_bandwidth_GBps": bandwidth / 1e9,
     "bandwidth_bound_s": bound,
     "ratio_host_update_vs_plain": med["offload_host_update"] / med["plain_optax"],

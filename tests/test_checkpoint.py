@@ -91,9 +91,7 @@ _EXPECTED_TIERS = {  # which footprint entries are non-zero in each tier setting
 }
 
 _CASES = [
-  pytest.param(opt, tier, id=f"{opt}-{tier}")
-  for opt in child.OPTIMIZERS
-  for tier in child.TIERS
+  pytest.param(opt, tier, id=f"{opt}-{tier}") for opt in child.OPTIMIZERS for tier in child.TIERS
 ]
 
 

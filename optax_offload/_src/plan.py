@@ -109,12 +109,21 @@ class LeafInfo:
   Attributes:
     path: the leaf's key path, for messages (e.g. ``"['dense']['kernel']"``).
     size: number of elements of the parameter.
-    state_bytes: bytes of this leaf's offloadable optimizer state, per device (its shard).
+    state_bytes: bytes of this leaf's offloadable optimizer state, per device (its shard): what the
+      device window holds.
+    process_bytes: bytes of that state held by this process: every local device's shard (a replicated
+      leaf once per local device); what `host_limit` counts. Defaults to `state_bytes`.
   """
 
   path: str
   size: int
   state_bytes: int
+  process_bytes: int | None = None
+
+  @property
+  def held_bytes(self) -> int:
+    """`process_bytes`, or `state_bytes` when it is not given."""
+    return self.state_bytes if self.process_bytes is None else self.process_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +134,7 @@ class Plan:
     tiers: one `Tier` per leaf, in leaf order.
     groups: tuples of leaf indices, in update order; every leaf is in exactly one group.
     window_bytes: the device window the groups were sized for.
-    bytes_per_tier: state bytes per tier (per device).
+    bytes_per_tier: state bytes per tier held by this process (`LeafInfo.held_bytes`).
   """
 
   tiers: tuple[Tier, ...]
@@ -179,7 +188,7 @@ def make_plan(
     (['device', 'host', 'nvme'], ((0, 1), (2,)))
   """
   tiers = [Tier.DEVICE if leaf.size < min_size else Tier.HOST for leaf in leaves]
-  host_bytes = sum(leaf.state_bytes for leaf, t in zip(leaves, tiers) if t is Tier.HOST)
+  host_bytes = sum(leaf.held_bytes for leaf, t in zip(leaves, tiers) if t is Tier.HOST)
   if host_limit is not None and host_bytes > host_limit:
     if not nvme:
       raise ValueError(
@@ -189,13 +198,13 @@ def make_plan(
       )
     by_size = sorted(
       (i for i, t in enumerate(tiers) if t is Tier.HOST),
-      key=lambda i: (-leaves[i].state_bytes, i),
+      key=lambda i: (-leaves[i].held_bytes, i),
     )
     for i in by_size:
       if host_bytes <= host_limit:
         break
       tiers[i] = Tier.NVME
-      host_bytes -= leaves[i].state_bytes
+      host_bytes -= leaves[i].held_bytes
 
   group_budget = max(window_bytes // 2, 1)
   groups: list[tuple[int, ...]] = []
@@ -213,7 +222,7 @@ def make_plan(
 
   bytes_per_tier = {t.value: 0 for t in Tier}
   for leaf, tier in zip(leaves, tiers):
-    bytes_per_tier[tier.value] += leaf.state_bytes
+    bytes_per_tier[tier.value] += leaf.held_bytes
   return Plan(tuple(tiers), tuple(groups), window_bytes, bytes_per_tier)
 
 

@@ -76,6 +76,13 @@ def _state_bytes(part: Any, shape: tuple[int, ...], sharding: Any) -> int:
   return total
 
 
+def _local_device_count(sharding: Any) -> int:
+  """How many of this process's devices hold a shard (or a copy) of an array with `sharding`."""
+  if sharding is None:
+    return 1
+  return sum(d.process_index == jax.process_index() for d in sharding.device_set)
+
+
 def _host_sharding(sharding: Any, part_shape: tuple[int, ...], param_shape: tuple[int, ...]):
   """Sharding of an offloaded state part: the param's, in pinned host memory."""
   if tuple(part_shape) != tuple(param_shape) and isinstance(sharding, jax.sharding.NamedSharding):
@@ -215,7 +222,12 @@ def offload(
     abstract_state = jax.eval_shape(inner.init, treedef.unflatten(list(avals)))
     _, per_leaf = layout.split(abstract_state)
     leaves = tuple(
-      plan_lib.LeafInfo(p, math.prod(a.shape), _state_bytes(part, a.shape, s))
+      plan_lib.LeafInfo(
+        p,
+        math.prod(a.shape),
+        _state_bytes(part, a.shape, s),
+        _state_bytes(part, a.shape, s) * _local_device_count(s),
+      )
       for p, a, part, s in zip(paths, avals, per_leaf, shardings)
     )
     the_plan = plan_lib.make_plan(

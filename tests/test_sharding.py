@@ -1,0 +1,165 @@
+"""Sharded params in one process (4 CPU devices): FSDP, tensor-parallel and replicated leaves.
+
+`test_transform.test_sharded_params_keep_their_sharding` checks Adam on a 1-D mesh with types kept
+across steps; here: AdamW on 1-D and 2-D meshes against plain optax, where every state array
+lives, what the host tier costs per process, and that the grouped update adds no collectives.
+"""
+
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+from conftest import make_grads
+from conftest import make_params
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_offload as oo
+
+WINDOW = 100_000  # several groups for make_params()
+MIN_SIZE = 4096  # offload's default
+STEPS = 10
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+MESHES = {
+  # FSDP: every large leaf split over all devices; small ones replicated.
+  "fsdp_1d": (
+    (4,),
+    ("fsdp",),
+    {
+      "embed": P("fsdp"),
+      "dense": {"kernel": P(None, "fsdp"), "bias": P()},
+      "conv": P(None, None, None, "fsdp"),
+      "big": P("fsdp"),
+      "scale": P(),
+    },
+  ),
+  # FSDP over "data" and tensor parallelism over "model"; conv and scale replicated on all four.
+  "data_model_2d": (
+    (2, 2),
+    ("data", "model"),
+    {
+      "embed": P("model", "data"),  # vocab-parallel embedding
+      "dense": {"kernel": P("data", "model"), "bias": P("model")},  # column-parallel
+      "conv": P(),
+      "big": P(("data", "model")),
+      "scale": P(),
+    },
+  ),
+}
+# The same with Auto axes (the compiler propagates shardings; jax.make_mesh's default is Explicit).
+MESHES["data_model_2d_auto"] = MESHES["data_model_2d"]
+AUTO = ("data_model_2d_auto",)
+
+
+def _setup(mesh_name):
+  shape, axes, specs = MESHES[mesh_name]
+  kwargs = {"axis_types": (jax.sharding.AxisType.Auto,) * len(axes)} if mesh_name in AUTO else {}
+  mesh = jax.make_mesh(shape, axes, devices=jax.devices()[:4], **kwargs)
+
+  def put(tree):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+  return mesh, put, put(make_params())
+
+
+def _jitted_step(tx):
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  return jax.jit(step)
+
+
+def _collectives(compiled) -> dict[str, int]:
+  """Collective ops in a compiled (SPMD-partitioned) program, by kind (async pairs count once)."""
+  text = compiled.as_text()
+  return {op: len(re.findall(rf"\s{op}(?:-start)?\(", text)) for op in COLLECTIVES}
+
+
+def _spec(x) -> tuple:
+  """The array's PartitionSpec with trailing Nones: P("a") and P("a", None) are the same layout."""
+  spec = tuple(x.sharding.spec)
+  return spec + (None,) * (x.ndim - len(spec))
+
+
+def _check_placement(state, params, mesh):
+  """Offloaded state takes its param's sharding in pinned host memory; small leaves stay put."""
+  flat_params = dict(jax.tree_util.tree_leaves_with_path(params))
+  for slot in ("mu", "nu"):
+    for path, x in jax.tree_util.tree_leaves_with_path(getattr(state.inner[0], slot)):
+      p = flat_params[path]
+      where = f"{slot}{jax.tree_util.keystr(path)}"
+      assert x.sharding.mesh == mesh, where
+      if p.size >= MIN_SIZE:
+        assert x.sharding.memory_kind == "pinned_host", where
+        assert _spec(x) == _spec(p), (where, x.sharding.spec, p.sharding.spec)
+        assert x.sharding.is_equivalent_to(p.sharding.with_memory_kind("pinned_host"), p.ndim)
+      else:
+        assert x.sharding.memory_kind == "device", where
+  assert state.inner[0].count.sharding.memory_kind == "device"
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_sharded_adamw_matches_plain_without_extra_collectives(mesh_name):
+  mesh, put, params = _setup(mesh_name)
+  plain = optax.adamw(1e-2)
+  off = oo.offload(optax.adamw(1e-2), window_bytes=WINDOW)
+  grads0 = put(make_grads(params, 0))
+  results = {}
+  for name, tx in (("plain", plain), ("offload", off)):
+    state = tx.init(params)
+    if name == "offload":
+      _check_placement(state, params, mesh)
+    step = _jitted_step(tx)
+    # With Auto axes the state's shardings after step 1 may differ from init's (plain optax too):
+    # count on the program of step 1, train with the jitted function.
+    results[name] = {"collectives": _collectives(step.lower(params, state, grads0).compile())}
+    p = params
+    for t in range(STEPS):
+      p, state = step(p, state, put(make_grads(params, t)))
+    results[name].update(params=p, state=state)
+  got = results["offload"]
+  for op in COLLECTIVES:
+    assert got["collectives"][op] <= results["plain"]["collectives"][op], (op, results)
+  assert_close(results["plain"]["params"], got["params"])
+  assert_close(results["plain"]["state"], oo.to_inner(got["state"], memory_kind="device"))
+  _check_placement(got["state"], params, mesh)
+  for p, ref in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(params)):
+    assert p.sharding.is_equivalent_to(ref.sharding, ref.ndim)
+  # Per process: sharded state counts once in all (each device holds its shard); a replicated
+  # leaf's state is in pinned host memory once per device that holds the param.
+  host = 0
+  for p in jax.tree.leaves(params):
+    if p.size >= MIN_SIZE:
+      copies = int(np.prod(p.sharding.shard_shape(p.shape))) * len(p.sharding.device_set) // p.size
+      host += 2 * p.nbytes * copies
+  assert oo.footprint(got["state"])["host"] == host
+
+
+def test_global_norm_clipping_collectives_are_the_same():
+  """A step that does need collectives (the global norm) needs no more of them under offload."""
+  _, put, params = _setup("data_model_2d")
+  grads = put(make_grads(params, 0))
+  counts = []
+  for tx in (
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+    optax.chain(optax.clip_by_global_norm(1.0), oo.offload(optax.adamw(1e-2), window_bytes=WINDOW)),
+  ):
+    compiled = _jitted_step(tx).lower(params, tx.init(params), grads).compile()
+    counts.append(_collectives(compiled))
+  plain, off = counts
+  assert plain["all-reduce"] > 0  # the count does see collectives
+  assert off == plain
+
+
+def test_host_limit_counts_every_local_shard():
+  """host_limit is per process: state this process would pin beyond it must be refused."""
+  _, _, params = _setup("fsdp_1d")
+  held = oo.footprint(oo.offload(optax.adamw(1e-2)).init(params))["host"]
+  with pytest.raises(ValueError, match=f"needs .* \\({held} bytes\\) of host"):
+    oo.offload(optax.adamw(1e-2), host_limit=held // 2).init(params)
+  assert oo.footprint(oo.offload(optax.adamw(1e-2), host_limit=held).init(params))["host"] == held
