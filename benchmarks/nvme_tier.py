@@ -30,6 +30,10 @@ Figures (JSON), per size and for the ``--state-gb`` size as the headline:
   is CPU-bound, not disk-bound (the page-cache ``warm_cache_step_s`` then matches the cold one);
 * note: the first group of the next generation is prefetched at the end of a step, from the page cache
   it was just written to, so about 1/groups of each step's reads do not come from the disk;
+* ``host_tier_step_s``: the same update with the whole state in host RAM (same groups), and
+  ``step_over_io_bound_plus_compute`` = step time / (I/O bound + that): on a CPU-only machine the
+  update's arithmetic and the I/O's CPU work share the same cores, so this says how much the NVMe
+  tier adds beyond "compute, then move the bytes";
 * across sizes: a least-squares line of step time against NVMe state bytes (slope, intercept, R^2).
 
     python benchmarks/nvme_tier.py --state-gb 2 --sizes 0.5,1,2 --out bench_out/nvme_tier.json
@@ -351,6 +355,12 @@ def run_size(state_gb: float, args) -> dict:
 
   params_bytes, grads_bytes = tree_bytes(params), tree_bytes(grads)
   rss_bound = host_limit + params_bytes + grads_bytes + store.host_buffer_bound
+  buffer_bound, stats_total = store.host_buffer_bound, store.stats
+  oo.close_nvme(state)
+  del state
+  host_step_s = _host_tier_step_s(
+    tx_args={"window_bytes": window}, params=params, grads=grads, reps=args.reps
+  )
   med = lambda key: statistics.median(r[key] for r in reps)  # noqa: E731
   result = {
     "state_gb": state_gb,
@@ -383,17 +393,40 @@ def run_size(state_gb: float, args) -> dict:
       "peak_init_and_warmup": peak_before_steps,
       "params": params_bytes,
       "grads": grads_bytes,
-      "host_buffer_bound": store.host_buffer_bound,
+      "host_buffer_bound": buffer_bound,
       "bound": rss_bound,
       "bound_plus_runtime_and_window": rss_bound + rss_runtime + window,
     },
     "rss_over_bound": peak / rss_bound,
     "rss_over_bound_plus_runtime_and_window": peak / (rss_bound + rss_runtime + window),
-    "store_stats_total": store.stats,
+    "store_stats_total": stats_total,
+    "host_tier_step_s": host_step_s,
+    "step_over_io_bound_plus_compute": med("step_s") / (med("io_lower_bound_s") + host_step_s),
   }
-  oo.close_nvme(state)
   shutil.rmtree(directory, ignore_errors=True)
   return result
+
+
+def _host_tier_step_s(tx_args: dict, params, grads, reps: int) -> float:
+  """Median step time of the same update with the whole state in host RAM (same groups): the
+  compute the NVMe-tier step does besides its I/O. On a CPU-only machine both share its cores."""
+  import jax
+  import optax
+
+  import optax_offload as oo
+
+  tx = oo.offload(optax.adamw(1e-3), **tx_args)
+  state = tx.init(params)
+  step = make_step(tx)
+  params, state = step(params, state, grads)  # compile, warm up
+  jax.block_until_ready((params, state))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    params, state = step(params, state, grads)
+    jax.block_until_ready((params, state))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
 
 
 # -- driver --------------------------------------------------------------------------------------------
@@ -440,6 +473,10 @@ def _print_size(r: dict) -> None:
     f"{r['rss_over_bound']:.2f} (runtime {rss['runtime'] / gib:.2f} GiB, window "
     f"{r['window_bytes'] / gib:.2f} GiB); warm-cache step "
     + (f"{r['warm_cache_step_s']:.2f} s" if r["warm_cache_step_s"] else "-")
+  )
+  print(
+    f"  same update, whole state in host RAM: {r['host_tier_step_s']:.2f} s; step / (I/O bound + "
+    f"that) = {r['step_over_io_bound_plus_compute']:.2f}"
   )
   for i, rep in enumerate(r["reps"]):
     s = rep["stats"]
