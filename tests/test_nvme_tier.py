@@ -16,6 +16,8 @@ from conftest import bits_equal
 from conftest import make_grads
 from conftest import make_params
 from conftest import train
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_offload as oo
 from optax_offload._src import nvme
@@ -105,6 +107,53 @@ def test_multisteps_around_nvme_tier(tmp_path):
     named = int(store.nvme_generation)
     on_disk = sorted(p.name for p in (tmp_path / "process_0").glob("gen_*"))
     assert f"gen_{named:08d}" in on_disk and len(on_disk) == 2, on_disk
+  finally:
+    oo.close_nvme(nvme_state)
+
+
+def test_nvme_tier_on_a_2d_mesh(tmp_path):
+  # FSDP x tensor parallel: each device's shard of 'big' is its own store leaf; to_inner gives
+  # back global arrays with the params' shardings.
+  mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+  specs = {
+    "embed": P("model", "data"),
+    "dense": {"kernel": P("data", "model"), "bias": P("model")},
+    "conv": P(),
+    "big": P(("data", "model")),
+    "scale": P(),
+  }
+
+  def put(tree):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+  def run(tx, steps=6):
+    p, s = put(make_params()), None
+    s = tx.init(p)
+    step = jax.jit(
+      lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))
+    )
+    for t in range(steps):
+      p, s = step(p, s, put(make_grads(p, t)))
+    return p, s
+
+  host_params, host_state = run(oo.offload(optax.adamw(1e-2), window_bytes=WINDOW))
+  tx = oo.offload(optax.adamw(1e-2), window_bytes=WINDOW, host_limit="250KiB", nvme_dir=tmp_path)
+  nvme_params, nvme_state = run(tx)
+  try:
+    assert bits_equal(host_params, nvme_params)
+    inner = oo.to_inner(nvme_state)
+    assert bits_equal(oo.to_inner(host_state), inner)
+    big = inner[0].mu["big"]
+    want = NamedSharding(mesh, specs["big"], memory_kind="pinned_host")
+    assert big.sharding.is_equivalent_to(want, big.ndim)
+    oo.sync_nvme(nvme_state)
+    gen_dir = tmp_path / "process_0" / f"gen_{int(nvme_state.nvme_generation):08d}"
+    # 'big' (leaf 0): 4 shards; 'conv' (leaf 1, replicated on the 4 devices): stored once.
+    assert sorted(p.name for p in gen_dir.iterdir()) == [
+      *[f"leaf00000_part{j}_shard{s:04d}" for j in (0, 1) for s in range(4)],
+      "leaf00001_part0_shard0000",
+      "leaf00001_part1_shard0000",
+    ]
   finally:
     oo.close_nvme(nvme_state)
 
