@@ -1,8 +1,10 @@
-"""Host tier in 2 processes x 2 CPU devices on loopback against 1 process x 4 devices.
+"""Host and NVMe tiers in 2 processes x 2 CPU devices on loopback against 1 process x 4 devices.
 
 Runs `tests/multiprocess_child.py` (the run `tests/test_multiprocess.py` checks bit for bit) in both
 setups and records what each process holds per tier (`oo.footprint`, per process) and the median
-step time of each setup. Setups alternate per round (1 process, 2 processes, 1 process, ...) so
+step time of each setup. By default the run has host and NVMe tiers (the child's ``--nvme``: a
+per-process ``host_limit`` that sends the largest leaf's state to ``nvme_dir/process_{i}``);
+``--host-only`` keeps everything in pinned host memory. Setups alternate per round (1 process, 2 processes, 1 process, ...) so
 drift hits both alike. On one machine the two processes share its cores and talk over loopback
 (gloo), so the ratio shows the cost of the multi-controller runtime here, not a cluster's scaling.
 
@@ -37,13 +39,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_setup(num_processes: int, steps: int, timeout: float) -> list[dict]:
+def run_setup(num_processes: int, steps: int, timeout: float, flags=()) -> list[dict]:
   """One run of the child in `num_processes` processes; each process's footprint and step times."""
   port = str(_free_port())
   env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("XLA_FLAGS", None)  # the child sets its device count
   with tempfile.TemporaryDirectory(prefix="oo_multiprocess_") as out:
-    argv = [str(num_processes), port, out, "--steps", str(steps)]
+    argv = [str(num_processes), port, out, "--steps", str(steps), *flags]
     procs = [
       subprocess.Popen(
         [sys.executable, CHILD, str(i), *argv],
@@ -77,6 +79,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--steps", type=int, default=100, help="steps per run (the first is compile)")
   parser.add_argument("--rounds", type=int, default=2, help="runs of each setup, alternating")
   parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+  parser.add_argument("--host-only", action="store_true", help="no NVMe tier")
   parser.add_argument("--out", default="bench_out/multiprocess.json")
   args = parser.parse_args(argv)
   if args.steps < 2:
@@ -87,7 +90,8 @@ def main(argv=None) -> dict:
   for r in range(args.rounds):
     for name, n in (("one_process", 1), ("two_processes", 2)):
       t0 = time.perf_counter()
-      runs[name].append(run_setup(n, args.steps, args.timeout))
+      flags = () if args.host_only else ("--nvme",)
+      runs[name].append(run_setup(n, args.steps, args.timeout, flags))
       walls[name].append(time.perf_counter() - t0)
       print(f"round {r}: {name} done in {walls[name][-1]:.1f} s", flush=True)
 
@@ -111,7 +115,10 @@ def main(argv=None) -> dict:
     "run_wall_s": walls,
     "footprint_one_process": one[0]["footprint"],
     **{f"footprint_two_processes_p{i}": p["footprint"] for i, p in enumerate(two)},
+    "tiers": "host" if args.host_only else "host+nvme",
     "host_bytes_two_processes_sum": sum(p["footprint"]["host"] for p in two),
+    "nvme_bytes_two_processes_sum": sum(p["footprint"]["nvme"] for p in two),
+    "nvme_files_two_processes": [p.get("nvme_files", []) for p in two],
     "memory_kinds": sorted({k for run in (one, two) for p in run for k in p["memory_kinds"]}),
   }
   for name, m in medians.items():

@@ -83,7 +83,8 @@ def test_two_processes_equal_one_process_bit_for_bit(tmp_path):
 
 def test_nvme_tier_across_processes_and_checkpoint_into_one_process(tmp_path):
   """Host + NVMe tiers: 2 processes == 1 process == the host tier alone, each process storing only
-  its own shards; a checkpoint saved by the 2 processes restores into 1 and continues identically."""
+  its own shards; a checkpoint saved by the 2 processes restores into 1 (and into 2) and continues
+  identically."""
   host, one, two, resumed = (tmp_path / d for d in ("host", "one", "two", "resumed"))
   _run(1, host)
   (fp_one,) = _run(1, one, "--nvme")
@@ -100,6 +101,9 @@ def test_nvme_tier_across_processes_and_checkpoint_into_one_process(tmp_path):
   assert [f["footprint"]["nvme"] for f in fp_two] == [fp_one["footprint"]["nvme"] // 2] * 2
   _run(1, resumed, "--nvme", "--restore-from", str(two))
   _assert_same_result(two, resumed)
+  resumed_two = tmp_path / "resumed_two"
+  _run(2, resumed_two, "--nvme", "--restore-from", str(two))
+  _assert_same_result(two, resumed_two)
 
 
 FAULT_BOUND_S = 60

@@ -126,7 +126,7 @@ def test_nvme_tier_on_a_2d_mesh(tmp_path):
   def put(tree):
     return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
 
-  def run(tx, steps=6):
+  def run(tx, steps=10):
     p, s = put(make_params()), None
     s = tx.init(p)
     step = jax.jit(
