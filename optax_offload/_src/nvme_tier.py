@@ -423,7 +423,12 @@ class NvmeTier:
     def body(*local):
       position = jnp.stack([jax.lax.axis_index(a) for a in mesh.axis_names]).astype(jnp.int32)
       return io_callback(
-        lambda pos, *xs: callback(self._device(pos), *xs), result_shapes, position, *local
+        # numpy views, not jax.Arrays: indexing a jax.Array here would dispatch a computation to the
+        # device that is running this callback, and deadlock.
+        lambda pos, *xs: callback(self._device(pos), *[np.asarray(x) for x in xs]),
+        result_shapes,
+        position,
+        *local,
       )
 
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
