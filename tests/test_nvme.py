@@ -207,6 +207,38 @@ def test_cyclic_protocol_matches_numpy(tmp_path, prefetch_depth, write_depth):
   assert _gen_dirs(tmp_path) == ["gen_00000005", "gen_00000006"]
 
 
+def _data_address(array: np.ndarray) -> int:
+  return array.__array_interface__["data"][0]
+
+
+def test_reads_reuse_buffers_that_nothing_refers_to(tmp_path):
+  """Group reads go into buffers an earlier read touched, but never into one whose views are still held."""
+  values = _values(_GROUPS, 7)
+  # prefetch_depth=1: the store keeps buffers for 2 groups (the prefetched one and the caller's).
+  with NvmeStore(tmp_path, _GROUPS, prefetch_depth=1, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+    held = store.fetch(2, 0)  # kept: its buffers must stay as they are
+    address = _data_address(held[1])
+    store.sync()
+    kept = store._read_buffers._buffers
+    bases = []
+    for _ in range(3):
+      again = store.fetch(2, 0)
+      assert _data_address(again[1]) != address  # `held` still refers to the first buffers
+      assert any(again[1].base is b for b in kept)  # a buffer the store keeps
+      bases.append(id(again[1].base))  # not the buffer itself: that would keep it in use
+      np.testing.assert_array_equal(again[1], values["big"])
+      del again  # let go: the next read may reuse its buffers
+    assert bases[0] == bases[1] == bases[2]  # every later read went into the same buffer
+    np.testing.assert_array_equal(held[1], values["big"])
+    assert not held[1].flags.writeable
+    # Past the capacity ((prefetch_depth + 1) groups), reads still work, into fresh arrays.
+    many = [store.fetch(g, 0) for g in range(len(_GROUPS)) for _ in range(3)]
+    for arrays, g in zip(many, [g for g in range(len(_GROUPS)) for _ in range(3)]):
+      for spec, array in zip(_GROUPS[g], arrays):
+        np.testing.assert_array_equal(array, values[spec.name])
+
+
 def _slow_writer(store: NvmeStore, gate: threading.Event) -> None:
   """Makes the store's writer wait for `gate` before each group write."""
   write = store._write_group

@@ -34,6 +34,7 @@ import os
 import pathlib
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -254,6 +255,46 @@ def _rmtree(path: pathlib.Path) -> None:
     logger.warning("NVMe store: could not delete %s; it is deleted at the next open.", path)
 
 
+class _ReadBuffers:
+  """Reusable host buffers for group reads, so a step's reads do not touch fresh memory.
+
+  Fresh pages cost a page fault each on first touch (about 1 s per GB measured on a 2-core VM, as much as
+  the read itself); reading into buffers that earlier steps already touched avoids that. A buffer is
+  handed out again only once nothing else refers to it (its reference count: `fetch` hands out read-only
+  views, which refer to it, and JAX drops them once it has copied the callback's result). At most
+  `capacity` bytes of buffers are kept; beyond that, reads get fresh arrays that are not kept.
+  """
+
+  def __init__(self, capacity: int):
+    self._capacity = capacity
+    self._buffers: list[np.ndarray] = []
+    self._lock = threading.Lock()
+
+  def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    with self._lock:
+      buffers = self._buffers
+      for i in range(len(buffers)):
+        # 2 references: the list's and getrefcount's argument; any more means someone still uses it.
+        if buffers[i].shape == shape and buffers[i].dtype == dtype and sys.getrefcount(buffers[i]) == 2:
+          return buffers[i]
+      nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+      kept = sum(b.nbytes for b in buffers)
+      i = 0
+      while kept + nbytes > self._capacity and i < len(buffers):
+        if sys.getrefcount(buffers[i]) == 2:  # free, but of another shape: drop it
+          kept -= buffers.pop(i).nbytes
+        else:
+          i += 1
+      array = np.empty(shape, dtype)
+      if kept + nbytes <= self._capacity:
+        buffers.append(array)
+      return array
+
+  def clear(self) -> None:
+    with self._lock:
+      self._buffers = []
+
+
 def _readonly(array: np.ndarray) -> np.ndarray:
   view = array.view()
   view.flags.writeable = False
@@ -362,8 +403,12 @@ class NvmeStore:
 
   Host RAM: the store holds at most `host_buffer_bound` =
   ``(prefetch_depth + write_depth + 1) * max group bytes`` of array buffers: ``write_depth`` groups waiting
-  to be written, ``prefetch_depth`` prefetched groups, and one prefetch read whose group was dropped from the
-  window while it was in flight. Arrays returned by `fetch` or `read_generation` belong to the caller.
+  to be written, ``prefetch_depth`` prefetched groups, and one more: the buffers of the group the caller
+  is consuming, which the store reads the next groups into once the caller has let go of them (or a
+  prefetch read whose group was dropped from the window while it was in flight). `fetch` returns read-only
+  views of those buffers; a buffer is reused only once no view of it is left, so a caller that keeps them
+  keeps valid data (and the store reads into fresh buffers meanwhile). Arrays returned by
+  `read_generation` belong to the caller.
 
   Disk: the last two committed generations, pinned ones, and at most two more in flight (generation
   ``g + 1`` is written while ``g`` is fsynced; writing ``g + 2`` waits for ``g``'s commit): plan for
@@ -459,6 +504,8 @@ class NvmeStore:
     self._stop = False
     self._closed = False
     self._stats = collections.Counter({k: 0 for k in _STAT_KEYS})
+    # Prefetched groups, plus the group the caller is consuming.
+    self._read_buffers = _ReadBuffers((prefetch_depth + 1) * max(self._group_bytes))
     self._committed = -1
     self._previous = -1
     self._newest = -1  # the newest generation number used (committed, put or handed out)
@@ -952,6 +999,7 @@ class NvmeStore:
       self._stop = True
       self._closed = True
       self._pool.clear()
+      self._read_buffers.clear()
       self._wanted = []
       self._cond.notify_all()
       error = None if self._error_reported else self._error
@@ -1096,9 +1144,12 @@ class NvmeStore:
   # Disk I/O.
 
   def _read_group(self, group: int, generation: int) -> list[np.ndarray]:
-    return self._read_leaves(generation, self._leaves[group])
+    return self._read_leaves(generation, self._leaves[group], self._read_buffers)
 
-  def _read_leaves(self, generation: int, leaves: Sequence[_Leaf]) -> list[np.ndarray]:
+  def _read_leaves(
+    self, generation: int, leaves: Sequence[_Leaf], buffers: _ReadBuffers | None = None
+  ) -> list[np.ndarray]:
+    """Reads and verifies `leaves` of `generation`; into reusable `buffers` if given, else fresh arrays."""
     gen_dir = self.generation_path(generation)
     paths = [gen_dir / leaf.dirname for leaf in leaves]
     opens = [
@@ -1118,8 +1169,17 @@ class NvmeStore:
           )
           break
     if failure is None:
-      reads = [(tag, store.read()) for (tag, _), store in zip(opens, stores, strict=True)]
-      arrays, failure = _wait_all(reads)
+      if buffers is None:
+        reads = [(tag, store.read()) for (tag, _), store in zip(opens, stores, strict=True)]
+      else:
+        arrays = [buffers.take(leaf.spec.shape, leaf.storage_dtype) for leaf in leaves]
+        reads = [
+          (tag, ts.array(array, copy=False, write=True).write(store))
+          for (tag, _), store, array in zip(opens, stores, arrays, strict=True)
+        ]
+      results, failure = _wait_all(reads)
+      if buffers is None:
+        arrays = results
     if failure is not None:
       (leaf, path), e = failure
       message = f"NVMe store: leaf {leaf.spec.name!r} of generation {generation} at {path} failed verification: {e}"
