@@ -95,6 +95,17 @@ def minor_faults() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _malloc_trim_rss() -> int | None:
+  """RSS after glibc's ``malloc_trim(0)`` (freed memory handed back to the OS), or None without glibc."""
+  try:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):
+    return None
+  return rss_bytes()
+
+
 def reset_peak_rss() -> bool:
   """Resets the kernel's peak-RSS counter (``VmHWM``) to the current RSS; False if not allowed."""
   try:
@@ -353,6 +364,9 @@ def run_size(state_gb: float, args) -> dict:
     oo.sync_nvme(state)
     warm = (time.perf_counter() - t0) / args.warm_steps
 
+  # Diagnostic, after every timed step: how much of the RSS is live, and how much glibc keeps freed.
+  rss_end = rss_bytes()
+  rss_end_trimmed = _malloc_trim_rss()
   params_bytes, grads_bytes = tree_bytes(params), tree_bytes(grads)
   rss_bound = host_limit + params_bytes + grads_bytes + store.host_buffer_bound
   buffer_bound, stats_total = store.host_buffer_bound, store.stats
@@ -391,6 +405,8 @@ def run_size(state_gb: float, args) -> dict:
       "peak_source": "VmHWM after clear_refs" if peak_reset else "VmRSS sampler",
       "peak_sampled": sampler.peak,
       "peak_init_and_warmup": peak_before_steps,
+      "end": rss_end,
+      "end_after_malloc_trim": rss_end_trimmed,
       "params": params_bytes,
       "grads": grads_bytes,
       "host_buffer_bound": buffer_bound,
@@ -474,6 +490,12 @@ def _print_size(r: dict) -> None:
     f"{r['window_bytes'] / gib:.2f} GiB); warm-cache step "
     + (f"{r['warm_cache_step_s']:.2f} s" if r["warm_cache_step_s"] else "-")
   )
+  if rss.get("end_after_malloc_trim"):
+    print(
+      f"  RSS before the timed steps {rss['before_steps'] / gib:.2f} GiB; after them "
+      f"{rss['end'] / gib:.2f} GiB, {rss['end_after_malloc_trim'] / gib:.2f} GiB after malloc_trim(0) "
+      "(the rest is live)"
+    )
   print(
     f"  same update, whole state in host RAM: {r['host_tier_step_s']:.2f} s; step / (I/O bound + "
     f"that) = {r['step_over_io_bound_plus_compute']:.2f}"
