@@ -292,6 +292,16 @@ def _rmtree(path: pathlib.Path) -> None:
     logger.warning("NVMe store: could not delete %s; it is deleted at the next open.", path)
 
 
+def _item_refcount(items: list, i: int) -> int:
+  return sys.getrefcount(items[i])
+
+
+# What `_item_refcount` reports for a list item nothing else refers to (2 on CPython 3.11: the list's
+# reference and the call's argument), measured rather than assumed, as interpreters differ in the
+# temporary references they take.
+_UNREFERENCED = _item_refcount([np.empty(0)], 0)
+
+
 class _ReadBuffers:
   """Reusable host buffers for group reads, so a step's reads do not touch fresh memory.
 
@@ -311,14 +321,14 @@ class _ReadBuffers:
     with self._lock:
       buffers = self._buffers
       for i in range(len(buffers)):
-        # 2 references: the list's and getrefcount's argument; any more means someone still uses it.
-        if buffers[i].shape == shape and buffers[i].dtype == dtype and sys.getrefcount(buffers[i]) == 2:
+        free = _item_refcount(buffers, i) == _UNREFERENCED  # else a view or a caller still uses it
+        if free and buffers[i].shape == shape and buffers[i].dtype == dtype:
           return buffers[i]
       nbytes = math.prod(shape) * np.dtype(dtype).itemsize
       kept = sum(b.nbytes for b in buffers)
       i = 0
       while kept + nbytes > self._capacity and i < len(buffers):
-        if sys.getrefcount(buffers[i]) == 2:  # free, but of another shape: drop it
+        if _item_refcount(buffers, i) == _UNREFERENCED:  # free, but of another shape: drop it
           kept -= buffers.pop(i).nbytes
         else:
           i += 1
