@@ -149,6 +149,37 @@ def sample(step: int, trim: bool = False) -> dict:
   return s
 
 
+def changes(baseline: dict, end: dict) -> dict:
+  """Relative growth of RSS and malloc's heap, and the change in fds and threads, from `baseline` to `end`."""
+  out = {
+    f"{k}_growth": (end[k] - baseline[k]) / baseline[k]
+    for k in ("rss", "rss_trimmed", "heap_in_use")
+    if k in baseline
+  }
+  out["fd_growth"] = end["fds"] - baseline["fds"]
+  out["thread_growth"] = end["threads"] - baseline["threads"]
+  out["thread_growth_excluding_ts_pool"] = (end["threads"] - end["ts_pool_threads"]) - (
+    baseline["threads"] - baseline["ts_pool_threads"]
+  )
+  return out
+
+
+def describe(baseline: dict, end: dict) -> str:
+  """One line: RSS (raw, after malloc_trim), malloc in use, fds and threads from `baseline` to `end`."""
+  grown = changes(baseline, end)
+  labels = {"rss": "RSS raw", "rss_trimmed": "after malloc_trim", "heap_in_use": "malloc in use"}
+  parts = [
+    f"{label} {baseline[k] / 2**20:.1f} -> {end[k] / 2**20:.1f} MiB ({100 * grown[k + '_growth']:+.2f}%)"
+    for k, label in labels.items()
+    if k in baseline
+  ]
+  parts.append(
+    f"fds {baseline['fds']:g} -> {end['fds']:g}, threads {baseline['threads']:g} -> {end['threads']:g} "
+    f"(TensorStore pool {baseline['ts_pool_threads']:g} -> {end['ts_pool_threads']:g})"
+  )
+  return ", ".join(parts)
+
+
 def make_tree(total: float, leaves: int) -> dict:
   cols = 512
   rows = max(int(total / leaves / cols), 1)
@@ -277,9 +308,6 @@ def main(argv=None) -> dict:
       return None
     return 1000 * float(np.polyfit(steps_axis, [x[key] for x in after_warmup], 1)[0])
 
-  def growth(key: str) -> float | None:
-    return (end[key] - baseline[key]) / baseline[key] if key in baseline else None
-
   saved = (mngr.latest_step(), oo.to_inner(state), params)
   footprint = oo.footprint(state)
 
@@ -326,17 +354,11 @@ def main(argv=None) -> dict:
     },
     "baseline": baseline,
     "end": end,
-    "rss_growth": growth("rss"),
+    **changes(baseline, end),
     "rss_slope_bytes_per_1000_steps": slope("rss"),
-    "rss_trimmed_growth": growth("rss_trimmed"),
     "rss_trimmed_slope_bytes_per_1000_steps": slope("rss_trimmed"),
-    "heap_in_use_growth": growth("heap_in_use"),
     "heap_in_use_slope_bytes_per_1000_steps": slope("heap_in_use"),
     "rss_max": max(x["rss"] for x in samples),
-    "fd_growth": end["fds"] - baseline["fds"],
-    "thread_growth": end["threads"] - baseline["threads"],
-    "thread_growth_excluding_ts_pool": (end["threads"] - end["ts_pool_threads"])
-    - (baseline["threads"] - baseline["ts_pool_threads"]),
     "fds_max_after_warmup": max(x["fds"] for x in after_warmup),
     "threads_max_after_warmup": max(x["threads"] for x in after_warmup),
     "ts_pool_threads_max": max(x["ts_pool_threads"] for x in samples),
@@ -344,61 +366,25 @@ def main(argv=None) -> dict:
     "samples": samples,
   }
   rss_key = "rss_trimmed" if trim else "rss"
-  if "baseline" in quiet:
-    q0, q1 = quiet["baseline"], quiet["end"]
-    result["quiet"] = {
-      "idle_s": args.idle_s,
-      "baseline": q0,
-      "end": q1,
-      **{f"{k}_growth": (q1[k] - q0[k]) / q0[k] for k in ("rss", "rss_trimmed", "heap_in_use") if k in q0},
-      "fd_growth": q1["fds"] - q0["fds"],
-      "thread_growth": q1["threads"] - q0["threads"],
-    }
-    result["pass"] = (
-      result["quiet"][rss_key + "_growth"] < 0.01
-      and result["quiet"]["fd_growth"] <= 0
-      and result["quiet"]["thread_growth"] <= 0
-      and result["restore_bit_exact"]
-    )
-  else:  # too short a run for a quiet baseline after the warm-up
-    result["pass"] = (
-      result[rss_key + "_growth"] < 0.01
-      and result["fd_growth"] <= 0
-      and result["thread_growth_excluding_ts_pool"] <= 0
-      and result["restore_bit_exact"]
-    )
-
-  def mib(key: str) -> str:
-    return f"{baseline[key] / 2**20:.1f} -> {end[key] / 2**20:.1f} MiB ({100 * growth(key):+.2f}%)"
-
   line = (
     f"{args.steps} steps, {len(save_times)} checkpoints ({result['nvme_transfer']}), {wall:.0f} s: "
   )
-  line += f"RSS raw {mib('rss')}"
-  if trim:
-    line += f", after malloc_trim {mib('rss_trimmed')}"
-  if "heap_in_use" in baseline:
-    line += f", malloc in use {mib('heap_in_use')}"
-  line += (
-    f"; fds {baseline['fds']:g} -> {end['fds']:g}, threads {baseline['threads']:g} -> "
-    f"{end['threads']:g} (TensorStore pool {baseline['ts_pool_threads']:g} -> "
-    f"{end['ts_pool_threads']:g}), restore bit-exact: {exact}"
+  line += describe(baseline, end) + f", restore bit-exact: {exact}"
+  if "baseline" in quiet:
+    result["quiet"] = {"idle_s": args.idle_s, **quiet, **changes(quiet["baseline"], quiet["end"])}
+    judged, threads_key = result["quiet"], "thread_growth"
+    line += (
+      f"; after {args.idle_s:g} s quiet at step {quiet['baseline']['step']} and at the end: "
+      + describe(quiet["baseline"], quiet["end"])
+    )
+  else:  # too short a run for a quiet baseline after the warm-up
+    judged, threads_key = result, "thread_growth_excluding_ts_pool"
+  result["pass"] = (
+    judged[rss_key + "_growth"] < 0.01
+    and judged["fd_growth"] <= 0
+    and judged[threads_key] <= 0
+    and result["restore_bit_exact"]
   )
-  if "quiet" in result:
-    q = result["quiet"]
-    line += (
-      f"; after {args.idle_s:g} s quiet at step {q['baseline']['step']} and at the end: RSS raw "
-      f"{100 * q['rss_growth']:+.2f}%"
-    )
-    if trim:
-      line += f", after malloc_trim {100 * q['rss_trimmed_growth']:+.2f}%"
-    if "heap_in_use_growth" in q:
-      line += f", malloc in use {100 * q['heap_in_use_growth']:+.2f}%"
-    line += (
-      f", fds {q['baseline']['fds']} -> {q['end']['fds']}, threads {q['baseline']['threads']} -> "
-      f"{q['end']['threads']} (TensorStore pool {q['baseline']['ts_pool_threads']} -> "
-      f"{q['end']['ts_pool_threads']})"
-    )
   line += f"; pass: {result['pass']}"
   print(line)
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -1216,17 +1216,19 @@ class NvmeStore:
           )
           break
     if failure is None:
+      # Lists, not generators: every read is issued before `_wait_all` waits for the first.
       if buffers is None:
-        reads = [(tag, store.read()) for (tag, _), store in zip(opens, stores, strict=True)]
+        arrays, failure = _wait_all(
+          [(tag, store.read()) for (tag, _), store in zip(opens, stores, strict=True)]
+        )
       else:
         arrays = [buffers.take(leaf.spec.shape, leaf.storage_dtype) for leaf in leaves]
-        reads = [
-          (tag, ts.array(array, copy=False, write=True).write(store))
-          for (tag, _), store, array in zip(opens, stores, arrays, strict=True)
-        ]
-      results, failure = _wait_all(reads)
-      if buffers is None:
-        arrays = results
+        _, failure = _wait_all(
+          [
+            (tag, ts.array(array, copy=False, write=True).write(store))
+            for (tag, _), store, array in zip(opens, stores, arrays, strict=True)
+          ]
+        )
     if failure is not None:
       (leaf, path), e = failure
       message = f"NVMe store: leaf {leaf.spec.name!r} of generation {generation} at {path} failed verification: {e}"
