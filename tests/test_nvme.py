@@ -319,6 +319,26 @@ def test_pin_keeps_a_generation(tmp_path):
       store.pin(1)
 
 
+def test_new_generation_only_from_the_newest_or_its_parent(tmp_path):
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    with pytest.raises(nvme.StaleGenerationError, match="newest generation is none"):
+      store.new_generation(parent=0)
+    first = store.new_generation()  # a new lineage (what init and restore do)
+    store.write_initial(first, _values(_GROUPS, 6))
+    child = store.new_generation(parent=first)
+    assert store.new_generation(parent=first) > child  # from the newest's parent: MultiSteps
+    newest = store.new_generation(parent=first)
+    with pytest.raises(
+      nvme.StaleGenerationError,
+      match=rf"generation {child} is stale.* is {newest}, made from {first}",
+    ):
+      store.new_generation(parent=child)
+    assert store.new_generation(parent=newest) == newest + 1  # the refusal changed nothing
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:  # reopened: the committed one
+    assert store.committed_generation == first
+    assert store.new_generation(parent=first) == first + 1
+
+
 def test_pins_of_an_earlier_process_are_dropped_on_open(tmp_path):
   # A pin is held by a checkpoint save in progress; if its process dies, nothing will unpin it.
   values = _values(_GROUPS, 4)

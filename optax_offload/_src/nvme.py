@@ -128,6 +128,10 @@ class NvmeWriteError(NvmeError):
   """A background write or commit failed; the last committed generation is intact."""
 
 
+class StaleGenerationError(ValueError):
+  """A new generation was asked for from a stale one (neither the newest nor its parent)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
   """Name, shape and dtype of one stored leaf.
@@ -557,6 +561,10 @@ class NvmeStore:
     self._previous = -1
     self._newest = -1  # the newest generation number used (committed, put or handed out)
     self._children: dict[int, int] = {}  # parent -> the generation last made from it
+    # Lineage: the newest generation (handed out by `new_generation`, else the committed one) and
+    # the generation it was made from; a new generation may only be made from one of the two.
+    self._head: int | None = None
+    self._head_parent: int | None = None
     self._on_disk: list[int] = []
     self._pinned: set[int] = set()
     self._stale_pins = False
@@ -574,6 +582,9 @@ class NvmeStore:
       raise
     self._last_queued_commit = self._committed
     self._newest = max([self._committed, *self._on_disk])
+    if self._committed >= 0:
+      self._head = self._committed
+      self._head_parent = self._previous if self._previous >= 0 else None
     self._writer = threading.Thread(target=self._writer_loop, name="nvme-writer", daemon=True)
     self._writer.start()
     self._committer = threading.Thread(
@@ -668,8 +679,9 @@ class NvmeStore:
       os.close(fd)
       who = "this process" if holder == str(os.getpid()) else "process"
       raise RuntimeError(
-        f"NVMe store directory {self._dir} is locked by another NvmeStore ({who} pid {holder}). Close the "
-        "other store (NvmeStore.close()) or use another nvme_dir."
+        f"NVMe store directory {self._dir} is locked by another NvmeStore ({who} pid {holder}). Close "
+        "the optimizer state that holds it with oo.close_nvme(state) (or let that process exit), or "
+        "use another nvme_dir."
       ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -796,16 +808,38 @@ class NvmeStore:
   def new_generation(self, parent: int | None = None) -> int:
     """A generation number newer than any used so far, for the next `put`s and `commit`.
 
+    The store keeps the lineage of what it hands out: the newest generation (the last one this
+    method returned; after opening, the committed one) and the generation it was made from. A new
+    generation may only be made from one of these two. Any older generation is *stale*: the store
+    may already have deleted it, and committing a generation made from it would in turn delete the
+    newest one. Making one from the newest's parent (as `optax.MultiSteps` does at every mini-step)
+    makes the newest stale instead.
+
     Args:
       parent: the generation the new one is computed from. Fetching the last group of `parent` then
         prefetches group 0 of the new generation, and committing the new one with ``parent=`` keeps
         `parent` on disk (e.g. for `optax.MultiSteps`, which computes every mini-step from one state).
+        None starts a new lineage (a generation written from scratch).
+
+    Raises:
+      StaleGenerationError: `parent` is neither the newest generation nor that one's parent; nothing
+        changes in the store.
     """
     with self._cond:
       self._check_usable_locked()
+      if parent is not None:
+        parent = int(parent)
+        if self._head is None or parent not in (self._head, self._head_parent):
+          newest = "none" if self._head is None else self._head
+          made_from = "" if self._head_parent is None else f", made from {self._head_parent}"
+          raise StaleGenerationError(
+            f"NVMe store {self._dir}: generation {parent} is stale: the newest generation is "
+            f"{newest}{made_from}, and a new generation can only be made from those."
+          )
       self._newest += 1
       if parent is not None:
-        self._children = {int(parent): self._newest}
+        self._children = {parent: self._newest}
+      self._head, self._head_parent = self._newest, parent
       return self._newest
 
   def write_initial(self, generation: int, arrays: Mapping[str, np.ndarray]) -> None:

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 # transformation that made it is gone: the states that name it stay usable.
 _REGISTRY: dict[int, NvmeTier] = {}
 _IDS = itertools.count(1)
-_TOKEN = jax.ShapeDtypeStruct((2,), jnp.int32)
+_TOKEN = jax.ShapeDtypeStruct((3,), jnp.int32)
 _SINGLE_AXIS = "nvme_device"
 
 
@@ -160,9 +160,11 @@ class _Rendezvous:
     with self._cond:
       self._check()
       n = self._begins[device]
-      self._begins[device] += 1
       if n not in self._children:
+        # Raises for a stale parent before anything is counted: every device refuses alike, and
+        # the next update starts afresh.
         self._children[n] = [self.store.new_generation(parent=parent), self.devices]
+      self._begins[device] += 1
       entry = self._children[n]
       entry[1] -= 1
       if entry[1] == 0:
@@ -320,6 +322,11 @@ class NvmeTier:
       **store_kwargs,
     )
     self._rendezvous = _Rendezvous(self.store, len(self._local_devices))
+    # Generations this tier makes are newer than any on disk when it opened the store; a state
+    # naming an older one was made by another store (closed, or in another process).
+    self._first_generation = (
+      max([self.store.committed_generation, *self.store.generations_on_disk]) + 1
+    )
     self.id = next(_IDS)
     _REGISTRY[self.id] = self
 
@@ -400,18 +407,64 @@ class NvmeTier:
       )
     return self.layout.merge(shared, [_insert(i, part, arrays) for i, part in enumerate(per_leaf)])
 
+  def _check_updatable(self, generation: int) -> None:
+    """Raises when an update from a state naming `generation` cannot run on this tier."""
+    if self.closed:
+      raise RuntimeError(
+        f"offload: the NVMe store {self.store.directory} of this optimizer state was closed "
+        "(oo.close_nvme), so the state can no longer be updated. Create a new state with "
+        "tx.init(params), or restore a checkpoint into one (oo.OffloadRestore)."
+      )
+    if generation < self._first_generation:
+      raise RuntimeError(
+        f"offload: this optimizer state names NVMe generation {generation}, which the store "
+        f"{self.store.directory} did not make since it was opened (its generations start at "
+        f"{self._first_generation}): the state comes from a store that was closed (oo.close_nvme) "
+        "or from another process. Create a new state with tx.init(params), or restore a "
+        "checkpoint into one (oo.OffloadRestore)."
+      )
+
   def close(self) -> None:
     self.closed = True
     self.store.close()
     _REGISTRY.pop(self.id, None)
 
+  def _signature(self) -> tuple[Any, ...]:
+    return (self.mesh, self._members, self._arrays)
+
+  def _resolve(self, store_id: int) -> NvmeTier:
+    """The tier a state names by its store id, for a program traced with this one.
+
+    A jitted update keeps the tier it was traced with; a state made by ``tx.init`` after
+    `close_nvme` names a new tier of the same layout, which the program then uses instead.
+    """
+    if store_id == self.id:
+      return self
+    tier = _REGISTRY.get(store_id)
+    if tier is None:
+      raise RuntimeError(
+        f"offload: the NVMe store {store_id} named by this optimizer state is closed "
+        "(oo.close_nvme) or belongs to another process, so the state can no longer be updated. "
+        "Create a new state with tx.init(params), or restore a checkpoint into one "
+        "(oo.OffloadRestore)."
+      )
+    if tier._signature() != self._signature():
+      raise ValueError(
+        f"offload: this optimizer state's NVMe store {tier.store.directory} holds another layout "
+        f"than the store {self.store.directory} this update was traced with: the state was made "
+        "by another offload transformation or for other params. Update it with the "
+        "transformation whose tx.init made it."
+      )
+    return tier
+
   # -- traced side (inside jit) -----------------------------------------------------------------------
   # Each callback runs on every device of the mesh (`jax.shard_map`) and takes and returns a token,
-  # ``[parent, child]``: the generation the state names and the one this update writes, so that the
-  # callbacks run in program order through data dependencies. (Ordered io_callbacks would do the
-  # same, but JAX 0.10 fails to lower them in a jit whose outputs carry memory kinds.) The child is a
-  # fresh generation number, not ``parent + 1``: an update may start again from the same state
-  # (`optax.MultiSteps` computes every mini-step from the state of the last real step).
+  # ``[parent, child, store]``: the generation the state names, the one this update writes, and the
+  # id of the tier whose store holds them, so that the callbacks run in program order through data
+  # dependencies. (Ordered io_callbacks would do the same, but JAX 0.10 fails to lower them in a jit
+  # whose outputs carry memory kinds.) The child is a fresh generation number, not ``parent + 1``:
+  # an update may start again from the same state (`optax.MultiSteps` computes every mini-step from
+  # the state of the last real step).
 
   def _device(self, position: Any) -> int:
     return self.mesh.devices[tuple(int(v) for v in np.asarray(position))].id
@@ -435,14 +488,37 @@ class NvmeTier:
       *args
     )
 
-  def begin_traced(self, generation: jax.Array) -> jax.Array:
-    """Allocates the generation this update writes; returns the token."""
+  def begin_traced(self, generation: jax.Array, store: jax.Array | None = None) -> jax.Array:
+    """Allocates the generation this update writes; returns the token.
 
-    def _begin(device, parent):
-      child = self._rendezvous.begin(device, int(parent))
-      return np.asarray([parent, child], np.int32)
+    Args:
+      generation: the generation the state names (``OffloadState.nvme_generation``).
+      store: the store id the state names (``OffloadState.nvme_store``); the update then runs on
+        that tier (of this tier's layout). None: this tier.
 
-    return self._shard_local(_begin, _TOKEN, P(), generation, in_specs=(P(),))
+    When the program runs, its first callback raises a `RuntimeError` when the state's store is
+    closed or the state comes from another store, and a `ValueError` when the state is stale (see
+    `nvme.NvmeStore.new_generation`), before the update touches the store.
+    """
+    if store is None:
+      store = jnp.asarray(self.id, jnp.int32)
+
+    def _begin(device, parent, store):
+      tier = self._resolve(int(store))
+      tier._check_updatable(int(parent))
+      try:
+        child = tier._rendezvous.begin(device, int(parent))
+      except nvme.StaleGenerationError as e:
+        raise ValueError(
+          f"offload: this optimizer state is stale: it names NVMe generation {int(parent)}, but "
+          f"updates have moved on from it ({e}). Update the state the latest update returned (it "
+          "is unaffected by this error), or restore a checkpoint into it with oo.OffloadRestore. "
+          "An update may start only from the latest state or the one it was made from (as "
+          "optax.MultiSteps does)."
+        ) from None
+      return np.asarray([parent, child, store], np.int32)
+
+    return self._shard_local(_begin, _TOKEN, P(), generation, store, in_specs=(P(), P()))
 
   def fetch(
     self, plan_group: int, token: jax.Array
@@ -453,7 +529,8 @@ class NvmeTier:
     shapes = [jax.ShapeDtypeStruct(a.shard_shape(), a.dtype) for a in members]
 
     def _fetch(device, token):
-      arrays = self._rendezvous.fetch(device, sg, int(token[0]), self._names[sg])
+      tier = self._resolve(int(token[2]))
+      arrays = tier._rendezvous.fetch(device, sg, int(token[0]), self._names[sg])
       return [np.asarray(token), *[np.asarray(arrays[a.name(a.number[device])]) for a in members]]
 
     out_specs = [P(), *[a.spec for a in members]]
@@ -467,7 +544,8 @@ class NvmeTier:
 
     def _put(device, token, *shards):
       arrays = {a.name(a.number[device]): x for a, x in zip(members, shards)}
-      self._rendezvous.put(device, sg, int(token[1]), arrays, self._names[sg])
+      tier = self._resolve(int(token[2]))
+      tier._rendezvous.put(device, sg, int(token[1]), arrays, self._names[sg])
       return np.asarray(token)
 
     flat = _select(parts, self._members[sg])
@@ -479,7 +557,7 @@ class NvmeTier:
     """Commits the child generation (once every device put its shards); returns its number."""
 
     def _commit(device, token):
-      self._rendezvous.commit(device, int(token[1]), int(token[0]))
+      self._resolve(int(token[2]))._rendezvous.commit(device, int(token[1]), int(token[0]))
       return np.asarray(token[1], np.int32)
 
     return self._shard_local(
