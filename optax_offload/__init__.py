@@ -31,6 +31,7 @@ from optax_offload._src.state import close_nvme
 from optax_offload._src.state import footprint
 from optax_offload._src.state import master_params
 from optax_offload._src.state import sync_nvme
+from optax_offload._src.state import tiers
 from optax_offload._src.state import to_inner
 from optax_offload._src.transform import OffloadState
 from optax_offload._src.transform import offload
@@ -61,6 +62,7 @@ __all__ = (
   "offload",
   "parse_bytes",
   "sync_nvme",
+  "tiers",
   "to_inner",
   "value_and_grad_to_host",
 )

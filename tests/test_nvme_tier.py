@@ -77,6 +77,35 @@ def test_mixed_placement_device_host_nvme(tmp_path):
     oo.close_nvme(state)
 
 
+def test_tiers_names_the_tier_of_every_array(tmp_path):
+  tx = optax.chain(
+    optax.clip_by_global_norm(1.0),
+    oo.offload(
+      optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+    ),
+  )
+  state = tx.init(make_params())
+  try:
+    named = oo.tiers(state)
+    want = {
+      "embed": "host",
+      "dense": {"kernel": "host", "bias": "device"},
+      "conv": "host",
+      "big": "nvme",
+      "scale": "device",
+    }
+    assert named[1].inner[0].mu == want and named[1].inner[0].nu == want
+    assert named[1].inner[0].count == "device" and named[1].nvme_store == "device"
+    # The bytes of the arrays each tier holds add up to footprint's.
+    totals = {"device": 0, "host": 0, "nvme": 0}
+    for where, x in zip(jax.tree.leaves(named[1].inner), jax.tree.leaves(oo.to_inner(state)[1])):
+      totals[where] += x.nbytes
+    fp = oo.footprint(state)
+    assert (totals["host"], totals["nvme"]) == (fp["host"], fp["nvme"]) and fp["nvme"] > 0
+  finally:
+    oo.close_nvme(state)
+
+
 def test_eager_update_with_nvme(tmp_path):
   params = make_params()
   ref_params, _ = train(oo.offload(optax.adam(1e-2), window_bytes=WINDOW), params, 3, jit=False)

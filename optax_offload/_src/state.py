@@ -53,6 +53,65 @@ def footprint(state: Any) -> dict[str, int]:
   return totals
 
 
+def tiers(state: Any) -> Any:
+  """Where each array of a state rests between steps: ``"device"``, ``"host"`` or ``"nvme"``.
+
+  An NVMe-tier array is held in the state as an empty placeholder (its data is in the store), whose
+  own ``sharding.memory_kind`` says ``"device"``; this view names its tier. Arrays outside
+  `OffloadState`s (a clipping state in a chain, `optax.MultiSteps` accumulators) are named by their
+  memory kind.
+
+  Args:
+    state: a concrete optimizer state: an `OffloadState` or any tree containing some. For Flax NNX,
+      pass ``nnx.as_pure(optimizer.opt_state)``.
+
+  Returns:
+    A tree of the state's structure with a string in place of each `jax.Array`.
+
+  Raises:
+    TypeError: when called on traced values (inside `jax.jit`).
+
+  Examples:
+    >>> import tempfile, jax.numpy as jnp, optax, optax_offload as oo
+    >>> params = {"w": jnp.zeros((256, 64)), "v": jnp.zeros((64, 128)), "b": jnp.zeros(64)}
+    >>> tx = oo.offload(optax.adam(1e-3), host_limit="64KiB", nvme_dir=tempfile.mkdtemp())
+    >>> state = tx.init(params)
+    >>> oo.tiers(state).inner[0].mu
+    {'b': 'device', 'v': 'host', 'w': 'nvme'}
+    >>> state.inner[0].mu["w"].shape, state.inner[0].mu["w"].sharding.memory_kind
+    ((0,), 'device')
+    >>> oo.close_nvme(state)
+  """
+
+  def of_array(x):
+    if isinstance(x, jax.core.Tracer):
+      raise TypeError("tiers needs a concrete state; call it outside jax.jit.")
+    if not isinstance(x, jax.Array):
+      return x
+    return "host" if x.sharding.memory_kind in _HOST_KINDS else "device"
+
+  def of_state(s: OffloadState) -> OffloadState:
+    named = jax.tree.map(of_array, s)
+    if int(s.nvme_store) < 0:
+      return named
+    tier = nvme_tier.lookup(s.nvme_store)
+    on_nvme = set(tier.keys())
+    shared, per_leaf = tier.layout.split(named.inner)
+
+    def mark(i, part):
+      arrays, treedef = jax.tree.flatten(part)
+      return treedef.unflatten(["nvme" if (i, j) in on_nvme else x for j, x in enumerate(arrays)])
+
+    per_leaf = [mark(i, part) for i, part in enumerate(per_leaf)]
+    return named._replace(inner=tier.layout.merge(shared, per_leaf))
+
+  return jax.tree.map(
+    lambda x: of_state(x) if _is_offload_state(x) else of_array(x),
+    state,
+    is_leaf=_is_offload_state,
+  )
+
+
 def _materialized(state: OffloadState) -> Any:
   if int(state.nvme_store) < 0:
     return state.inner
