@@ -403,6 +403,19 @@ def test_bad_calls_are_clear_errors(fast_dir):
     oo.OffloadSave(s)
 
 
+def test_standard_save_of_an_nvme_state_names_offload_save(fast_dir):
+  params = child.committed_params()
+  tx = child.make_tx("adamw", "mixed", fast_dir / "nvme")
+  s = tx.init(params)
+  # A synchronous Checkpointer: a save failing inside an asynchronous CheckpointManager can leave
+  # Orbax's threads waiting for minutes (docs/checkpoints.md).
+  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+    with pytest.raises(ValueError, match=r"zero size: opt_state\.inner.*oo\.OffloadSave"):
+      ckptr.save(fast_dir / "ckpt", args=ocp.args.StandardSave({"opt_state": s}))
+    ckptr.save(fast_dir / "plain", args=ocp.args.StandardSave({"opt_state": oo.to_inner(s)}))
+  oo.close_nvme(s)
+
+
 def test_read_only_checkpoint_directory(tmp_path):
   if os.geteuid() != 0:
     pytest.skip("a read-only bind mount needs root (root also ignores permission bits)")

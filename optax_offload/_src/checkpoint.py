@@ -42,6 +42,8 @@ import pathlib
 import shutil
 import threading
 import time
+from collections.abc import Callable
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,7 +90,97 @@ class _NvmeRef:
 
 
 def _is_offload_state(x: Any) -> bool:
-  return isinstance(x, OffloadState)
+  return isinstance(x, OffloadState) or _is_nnx_form(x)
+
+
+def _is_nnx_form(x: Any) -> bool:
+  """An `OffloadState` as ``nnx.state(optimizer)`` holds it: a mapping of its fields.
+
+  NNX turns the named tuple into a mapping (``nnx.State``) and wraps each array in a Variable;
+  ``nnx.as_pure`` of that leaves a dict of arrays.
+  """
+  return (
+    isinstance(x, Mapping)
+    and not isinstance(x, OffloadState)
+    and set(x.keys()) == set(OffloadState._fields)
+  )
+
+
+def _nnx_view(x: Mapping) -> tuple[OffloadState, Callable[[Any, Any], Any]]:
+  """An `OffloadState` whose inner is the NNX form's, and how to rebuild the NNX form.
+
+  ``rebuild(inner, generation)`` returns the mapping with that inner (same structure) and that
+  generation, in the same Variables.
+  """
+  (store,) = jax.tree.leaves(x["nvme_store"])
+  (generation,) = jax.tree.leaves(x["nvme_generation"])
+  flat, treedef = jax.tree_util.tree_flatten_with_path(x)
+  fields = [_key_name(path[0]) for path, _ in flat]
+
+  def rebuild(inner: Any, new_generation: Any) -> Any:
+    inner_leaves = iter(jax.tree.leaves(inner))
+    out = []
+    for field, (_, leaf) in zip(fields, flat):
+      if field == "inner":
+        out.append(next(inner_leaves))
+      elif field == "nvme_generation":
+        out.append(new_generation)
+      else:
+        out.append(leaf)
+    return treedef.unflatten(out)
+
+  return OffloadState(x["inner"], store, generation), rebuild
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _normalized(path: Sequence[Any]) -> tuple[str, ...]:
+  """A tree path by names only, without Variables' ``.value``: the same in the NNX form."""
+  return tuple(
+    _key_name(k)
+    for k in path
+    if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  key: tuple[int, int]
+
+
+def _with_refs_by_path(inner: Any, tier: nvme_tier.NvmeTier, k: int) -> Any:
+  """`_with_refs` for an inner state in NNX form: NVMe arrays found by their paths."""
+  layout = tier.layout
+  per_leaf = [
+    part_def.unflatten([_Slot((i, j)) for j in range(part_def.num_leaves)])
+    for i, part_def in enumerate(tier.part_defs)
+  ]
+  # Shared leaves do not matter here; `merge` needs one entry per slot of the inner state.
+  slots = layout.merge([None] * layout._treedef.num_leaves, per_leaf)
+  where = {
+    x.key: _normalized(path)
+    for path, x in jax.tree_util.tree_flatten_with_path(
+      slots, is_leaf=lambda x: isinstance(x, _Slot)
+    )[0]
+    if isinstance(x, _Slot)
+  }
+  flat, treedef = jax.tree_util.tree_flatten_with_path(inner)
+  index = {_normalized(path): n for n, (path, _) in enumerate(flat)}
+  leaves = [x for _, x in flat]
+  for key in tier.keys():
+    n = index.get(where[key])
+    if n is None:
+      raise ValueError(
+        f"optax_offload checkpoint: NVMe array {'/'.join(where[key])} is not in this optimizer "
+        "state. Pass nnx.state(optimizer) (or nnx.as_pure(optimizer.opt_state)) as it is."
+      )
+    leaves[n] = _NvmeRef(k, key, *tier.shape_dtype(key), leaves[n])
+  return treedef.unflatten(leaves)
 
 
 def _is_ref(x: Any) -> bool:
@@ -100,8 +192,9 @@ class _Plain:
   """A state seen as its plain inner state, with `_NvmeRef` leaves for NVMe-tier arrays."""
 
   outer_def: Any  # tree structure with each OffloadState as a leaf
-  outer: list[Any]  # its leaves: arrays and OffloadStates
-  states: list[OffloadState]  # the OffloadStates, in tree order
+  outer: list[Any]  # its leaves: arrays and OffloadStates (or their NNX form)
+  states: list[OffloadState]  # the OffloadStates, in tree order (of an NNX form: a view)
+  rebuilds: list[Callable[[Any, Any], Any] | None]  # for an NNX form, see `_nnx_view`
   tiers: list[nvme_tier.NvmeTier | None]  # their NVMe tiers
   plain_def: Any  # structure of the plain state (`_NvmeRef` are leaves)
   paths: list[str]
@@ -137,20 +230,29 @@ def _with_refs(inner: Any, tier: nvme_tier.NvmeTier, k: int) -> Any:
 
 def _decompose(state: Any) -> _Plain:
   outer, outer_def = jax.tree.flatten(state, is_leaf=_is_offload_state)
-  states, tiers, inners = [], [], []
+  states, rebuilds, tiers, inners = [], [], [], []
   for x in outer:
     if not _is_offload_state(x):
       inners.append(x)
       continue
+    rebuild = None
+    if _is_nnx_form(x):
+      x, rebuild = _nnx_view(x)
     tier = _tier_of(x)
-    inners.append(x.inner if tier is None else _with_refs(x.inner, tier, len(states)))
+    if tier is None:
+      inners.append(x.inner)
+    elif rebuild is None:
+      inners.append(_with_refs(x.inner, tier, len(states)))
+    else:
+      inners.append(_with_refs_by_path(x.inner, tier, len(states)))
     states.append(x)
+    rebuilds.append(rebuild)
     tiers.append(tier)
   flat, plain_def = jax.tree_util.tree_flatten_with_path(
     outer_def.unflatten(inners), is_leaf=_is_ref
   )
   paths = [jax.tree_util.keystr(p) or "<root>" for p, _ in flat]
-  return _Plain(outer_def, outer, states, tiers, plain_def, paths, [x for _, x in flat])
+  return _Plain(outer_def, outer, states, rebuilds, tiers, plain_def, paths, [x for _, x in flat])
 
 
 def _shape_dtype(x: Any) -> tuple[tuple[int, ...], str]:
@@ -534,11 +636,15 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
       if not _is_offload_state(x):
         out.append(part)
         continue
-      generation = x.nvme_generation
+      state, rebuild = target.states[k], target.rebuilds[k]
+      generation = state.nvme_generation
       if k in generations:
         sharding = getattr(generation, "sharding", None)
         generation = jax.device_put(np.asarray(generations[k], np.int32), sharding)
-      out.append(OffloadState(part, x.nvme_store, generation))
+      if rebuild is None:
+        out.append(OffloadState(part, state.nvme_store, generation))
+      else:
+        out.append(rebuild(part, generation))
       k += 1
     return target.outer_def.unflatten(out)
 
@@ -671,6 +777,56 @@ def _check_matches(manifest: dict[str, Any], target: _Plain, directory: Any) -> 
       "tree of the same structure, shapes and dtypes."
     )
   return saved
+
+
+_ZERO_SIZE_HINT = (
+  "An optimizer state of optax_offload with an NVMe tier holds empty placeholders in place of its "
+  "NVMe arrays (their data is in nvme_dir): save it with oo.OffloadSave and restore it with "
+  "oo.OffloadRestore (as an item of ocp.args.Composite), not with StandardSave or PyTreeSave."
+)
+
+
+class _ArrayHandler(ocp.type_handlers.ArrayHandler):
+  """Orbax's ``jax.Array`` handler, whose zero-size error says how to save an NVMe-tier state.
+
+  Orbax refuses zero-size arrays, which is what a ``StandardSave`` of an NVMe-tier `OffloadState`
+  meets first; its message names only the leaf. Nothing of ours runs in such a save, so the hint
+  goes into the handler Orbax uses for ``jax.Array``.
+  """
+
+  async def serialize(self, values, infos, args=None):
+    if not self.has_dispatcher():  # Orbax's own condition for its zero-size error
+      for value, info in zip(values, infos):
+        if value.size == 0:
+          raise ValueError(f"Cannot save arrays with zero size: {info.name}. {_ZERO_SIZE_HINT}")
+    return await super().serialize(values, infos, args)
+
+
+class _WithoutOverrideWarning(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "overriding" not in record.getMessage()
+
+
+def _install_array_handler() -> None:
+  """Puts `_ArrayHandler` in Orbax's type registry, with the registered handler's settings.
+
+  Only when the registered handler is Orbax's own (not one a user configured with another class).
+  """
+  current = ocp.type_handlers.get_type_handler(jax.Array)
+  if type(current) is not ocp.type_handlers.ArrayHandler:
+    return
+  handler = _ArrayHandler.__new__(_ArrayHandler)
+  handler.__dict__.update(vars(current))
+  quiet = _WithoutOverrideWarning()  # Orbax logs a warning for every override
+  absl_logger = logging.getLogger("absl")
+  absl_logger.addFilter(quiet)
+  try:
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+  finally:
+    absl_logger.removeFilter(quiet)
+
+
+_install_array_handler()
 
 
 @ocp.args.register_with_handler(OffloadCheckpointHandler, for_save=True)

@@ -271,6 +271,7 @@ class NvmeTier:
     **store_kwargs,
   ):
     self._arrays: dict[tuple[int, int], _Array] = {}
+    self.part_defs = [jax.tree.structure(part) for part in parts]  # of each leaf's state part
     meshes = {}
     for i, kinds in enumerate(array_tiers):
       for j, x in enumerate(jax.tree.leaves(parts[i])):
