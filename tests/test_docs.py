@@ -1,6 +1,7 @@
 """The documentation site builds cleanly, covers the public API, and its code examples run."""
 
 import importlib.util
+import logging
 import os
 import re
 import subprocess
@@ -56,10 +57,43 @@ def test_api_reference_covers_every_public_name():
   assert set(oo.__all__) - documented == set()
 
 
-@pytest.mark.parametrize("page", RUNNABLE_PAGES)
+_NEEDS_SETUP_FIX = pytest.mark.xfail(
+  strict=True, reason="NNX + NVMe tier: needs the setup-cache fix in transform.py (issue 13, bug 1)"
+)
+
+
+@pytest.mark.parametrize(
+  "page", [pytest.param(p, marks=_NEEDS_SETUP_FIX) if p == "flax.md" else p for p in RUNNABLE_PAGES]
+)
 def test_code_examples_run(page, tmp_path, monkeypatch):
   blocks = _BLOCK.findall(open(os.path.join(DOCS, page)).read())
   assert blocks, f"{page} has no python example"
   monkeypatch.chdir(tmp_path)
+  # Pages may set up the library's logging (quickstart.md): undone for the tests that follow.
+  log = logging.getLogger("optax_offload")
+  monkeypatch.setattr(log, "handlers", list(log.handlers))
+  monkeypatch.setattr(log, "level", log.level)
+  monkeypatch.setattr(log, "propagate", log.propagate)
   # The page's blocks run in order, in one fresh namespace, as a reader would paste them.
   exec(compile("\n".join(blocks), page, "exec"), {"__name__": f"docs.{page}"})
+
+
+def test_quickstart_logging_recipe_prints_each_line_once():
+  (recipe,) = [
+    b for b in _BLOCK.findall(open(os.path.join(DOCS, "quickstart.md")).read()) if "getLogger" in b
+  ]
+  code = (
+    "import orbax.checkpoint\n"  # importing Orbax gives the root logger a handler
+    + recipe
+    + "import jax.numpy as jnp, optax, optax_offload as oo\n"
+    "oo.offload(optax.adam(1e-3)).init({'w': jnp.zeros((128, 64))})\n"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code],
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stderr.count("offload plan") == 1, proc.stderr[-2000:]
