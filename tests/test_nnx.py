@@ -126,7 +126,20 @@ class _CompileCounter(logging.Handler):
       self.count += 1
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize(
+  "tier",
+  [
+    "host",
+    pytest.param(
+      "nvme",
+      marks=pytest.mark.xfail(
+        strict=True,
+        reason="needs transform.py: the setup-cache fix (bug 1), and init returning committed "
+        "arrays when no state goes to host (all its out_shardings are None today)",
+      ),
+    ),
+  ],
+)
 def test_train_step_compiles_once(tier, tmp_path):
   # With params and optimizer.step committed before the first step (child.make), every step's
   # inputs have the placement, commitment and types of the step's outputs.

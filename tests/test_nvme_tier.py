@@ -117,6 +117,31 @@ def test_eager_update_with_nvme(tmp_path):
   assert bits_equal(ref_params, got_params)
 
 
+def test_jitted_step_compiles_once(tmp_path):
+  # The NVMe callbacks must not put a mesh of their own into the types of the step's outputs
+  # (which then differ from its inputs', and the step compiles again).
+  params = jax.device_put(make_params(), jax.devices()[0])
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+  )
+  state = tx.init(params)
+  compiles = []
+
+  @jax.jit
+  def step(p, s, g):
+    compiles.append(1)  # runs when jit traces
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  try:
+    for t in range(4):
+      params, state = step(params, state, make_grads(params, t))
+    assert oo.tiers(state).inner[0].mu["big"] == "nvme"
+    assert len(compiles) == 1
+  finally:
+    oo.close_nvme(state)
+
+
 def test_multisteps_around_nvme_tier(tmp_path):
   # MultiSteps runs the inner update at every mini-step and keeps the old state on the others, so
   # the store must keep the generation the state names while it commits the discarded ones.

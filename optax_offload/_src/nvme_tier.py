@@ -473,6 +473,14 @@ class NvmeTier:
   def _shard_local(self, callback, result_shapes, out_specs, *args, in_specs):
     """Runs ``callback(device_id, *local_args)`` as an io_callback on every device of the mesh."""
     mesh = self.mesh
+    if mesh.size == 1:
+      # No shard_map over a mesh of one device: values computed from its outputs would carry the
+      # mesh in their types (``f32[..]({Auto: ('nvme_device',)})``), so each step's outputs would
+      # differ in type from its inputs and a jitted step would compile again, twice.
+      (device,) = mesh.devices.flat
+      return io_callback(
+        lambda *xs: callback(device.id, *[np.asarray(x) for x in xs]), result_shapes, *args
+      )
 
     def body(*local):
       position = jnp.stack([jax.lax.axis_index(a) for a in mesh.axis_names]).astype(jnp.int32)
