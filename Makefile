@@ -3,6 +3,9 @@
 # make docs  - build the documentation site into site/
 # make bench - run the benchmarks and write bench_out/REPORT.md
 PYTHON ?= python3
+# CPU by default (the test extra installs the CUDA plugin for compile-only GPU programs; without
+# this JAX would look for a GPU first). `make demo JAX_PLATFORMS=cuda` on a GPU machine.
+export JAX_PLATFORMS ?= cpu
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

@@ -21,9 +21,10 @@ from optax_offload._src.nvme import NvmeCorruptionError
 from optax_offload._src.nvme import NvmeError
 from optax_offload._src.nvme import NvmeWriteError
 from optax_offload._src.plan import LeafInfo
+from optax_offload._src.plan import Piece
 from optax_offload._src.plan import Plan
 from optax_offload._src.plan import Tier
-from optax_offload._src.plan import describe as describe_plan
+from optax_offload._src.plan import describe_plan
 from optax_offload._src.plan import format_bytes
 from optax_offload._src.plan import make_plan
 from optax_offload._src.plan import parse_bytes
@@ -34,7 +35,9 @@ from optax_offload._src.state import sync_nvme
 from optax_offload._src.state import tiers
 from optax_offload._src.state import to_inner
 from optax_offload._src.transform import OffloadState
+from optax_offload._src.transform import abstract_state
 from optax_offload._src.transform import offload
+from optax_offload._src.transform import update_and_apply
 
 __version__ = "0.1.0"
 
@@ -49,8 +52,10 @@ __all__ = (
   "OffloadRestore",
   "OffloadSave",
   "OffloadState",
+  "Piece",
   "Plan",
   "Tier",
+  "abstract_state",
   "close_nvme",
   "describe_plan",
   "estimate",
@@ -64,5 +69,6 @@ __all__ = (
   "sync_nvme",
   "tiers",
   "to_inner",
+  "update_and_apply",
   "value_and_grad_to_host",
 )

@@ -57,14 +57,7 @@ def test_api_reference_covers_every_public_name():
   assert set(oo.__all__) - documented == set()
 
 
-_NEEDS_SETUP_FIX = pytest.mark.xfail(
-  strict=True, reason="NNX + NVMe tier: needs the setup-cache fix in transform.py (issue 13, bug 1)"
-)
-
-
-@pytest.mark.parametrize(
-  "page", [pytest.param(p, marks=_NEEDS_SETUP_FIX) if p == "flax.md" else p for p in RUNNABLE_PAGES]
-)
+@pytest.mark.parametrize("page", RUNNABLE_PAGES)
 def test_code_examples_run(page, tmp_path, monkeypatch):
   blocks = _BLOCK.findall(open(os.path.join(DOCS, page)).read())
   assert blocks, f"{page} has no python example"

@@ -17,10 +17,7 @@ import optax_offload as oo
 
 HERE = os.path.dirname(__file__)
 ENV = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-NEEDS_SETUP_FIX = pytest.mark.xfail(
-  strict=True, reason="needs the setup-cache fix in transform.py (issue 13, bug 1)"
-)
-TIERS = [pytest.param("host"), pytest.param("nvme", marks=NEEDS_SETUP_FIX)]
+TIERS = ["host", "nvme"]
 
 
 def _close(optimizer) -> None:
@@ -126,20 +123,7 @@ class _CompileCounter(logging.Handler):
       self.count += 1
 
 
-@pytest.mark.parametrize(
-  "tier",
-  [
-    "host",
-    pytest.param(
-      "nvme",
-      marks=pytest.mark.xfail(
-        strict=True,
-        reason="needs transform.py: the setup-cache fix (bug 1), and init returning committed "
-        "arrays when no state goes to host (all its out_shardings are None today)",
-      ),
-    ),
-  ],
-)
+@pytest.mark.parametrize("tier", TIERS)
 def test_train_step_compiles_once(tier, tmp_path):
   # With params and optimizer.step committed before the first step (child.make), every step's
   # inputs have the placement, commitment and types of the step's outputs.

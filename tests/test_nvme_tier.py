@@ -404,9 +404,6 @@ def test_update_after_close_nvme_is_refused(how, tmp_path):
   assert sorted(p.name for p in (tmp_path / "process_0").glob("gen_*")) == on_disk
 
 
-@pytest.mark.xfail(
-  strict=True, reason="needs transform.py to pass state.nvme_store to NvmeTier.begin_traced"
-)
 def test_init_after_close_nvme_with_the_same_jitted_update(tmp_path):
   # The fix the close_nvme error names; the jitted step compiled before the close is reused.
   params = make_params()

@@ -213,7 +213,8 @@ def _tier_of(state: OffloadState) -> nvme_tier.NvmeTier | None:
 
 
 def _with_refs(inner: Any, tier: nvme_tier.NvmeTier, k: int) -> Any:
-  shared, per_leaf = tier.layout.split(inner)
+  layout = tier.layout.matching(inner)
+  shared, per_leaf = layout.split(inner)
   keys = set(tier.keys())
 
   def refs(i, part):
@@ -225,7 +226,7 @@ def _with_refs(inner: Any, tier: nvme_tier.NvmeTier, k: int) -> Any:
       out.append(x)
     return treedef.unflatten(out)
 
-  return tier.layout.merge(shared, [refs(i, part) for i, part in enumerate(per_leaf)])
+  return layout.merge(shared, [refs(i, part) for i, part in enumerate(per_leaf)])
 
 
 def _decompose(state: Any) -> _Plain:

@@ -7,6 +7,7 @@ hyper-parameters, ...) is *shared*: one copy, passed to every group.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -61,6 +62,27 @@ class StateLayout:
     self._num_slots = len(slots)
     self.params_treedef = params_treedef
     self.num_leaves = params_treedef.num_leaves
+
+  def matching(self, state: optax.OptState) -> StateLayout:
+    """This layout, for the parameter containers `state` holds.
+
+    The same optimizer state may come with other containers than the params `init` saw: Flax NNX
+    initialises with `nnx.Param` variables and updates plain arrays (``nnx.as_pure``).
+    """
+    try:
+      self.split(state)
+      return self
+    except (ValueError, TypeError):
+      pass
+    parts = self._treedef.flatten_up_to(state)
+    for j in self._param_slots:
+      treedef = jax.tree.structure(parts[j])
+      if treedef.num_leaves == self.num_leaves:
+        other = copy.copy(self)
+        other.params_treedef = treedef
+        other.split(state)  # raises if it still does not fit
+        return other
+    raise ValueError("the optimizer state does not fit the layout of its offload transformation")
 
   @property
   def num_param_slots(self) -> int:

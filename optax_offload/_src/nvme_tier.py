@@ -392,7 +392,8 @@ class NvmeTier:
 
     The arrays are global arrays with their params' shardings, built from this process's shards.
     """
-    shared, per_leaf = self.layout.split(inner_state)
+    layout = self.layout.matching(inner_state)
+    shared, per_leaf = layout.split(inner_state)
     stored = self.store.read_generation(int(np.asarray(generation)))
     arrays = {}
     for key, a in self._arrays.items():
@@ -406,7 +407,7 @@ class NvmeTier:
       arrays[key] = jax.make_array_from_single_device_arrays(
         a.shape, self.sharding(key, memory_kind), shards
       )
-    return self.layout.merge(shared, [_insert(i, part, arrays) for i, part in enumerate(per_leaf)])
+    return layout.merge(shared, [_insert(i, part, arrays) for i, part in enumerate(per_leaf)])
 
   def _check_updatable(self, generation: int) -> None:
     """Raises when an update from a state naming `generation` cannot run on this tier."""

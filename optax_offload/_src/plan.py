@@ -48,7 +48,8 @@ def parse_bytes(value: int | str | None, name: str) -> int | None:
   """Parses a byte count given as an int or a string such as ``"64GiB"`` or ``"1.5 GB"``.
 
   Args:
-    value: an int, a string with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), or None.
+    value: an int, a string with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; the
+      bare K, M, G, T are binary like KiB, MiB, GiB, TiB, as in ``free -g``), or None.
     name: the argument's name, for error messages.
 
   Returns:
@@ -65,6 +66,8 @@ def parse_bytes(value: int | str | None, name: str) -> int | None:
     1500000
     >>> parse_bytes(4096, "window_bytes")
     4096
+    >>> parse_bytes("64G", "host_limit") == parse_bytes("64GiB", "host_limit")
+    True
   """
   if value is None:
     return None
@@ -113,12 +116,17 @@ class LeafInfo:
       device window holds.
     process_bytes: bytes of that state held by this process: every local device's shard (a replicated
       leaf once per local device); what `host_limit` counts. Defaults to `state_bytes`.
+    rows: length of the leading axis when the leaf's update may be split along it (the inner
+      update of a row slice equals that slice of the whole update, the axis is not sharded and the
+      state is in host memory), else 0. A leaf whose state exceeds a group's share of the window is
+      then streamed in row slices.
   """
 
   path: str
   size: int
   state_bytes: int
   process_bytes: int | None = None
+  rows: int = 0
 
   @property
   def held_bytes(self) -> int:
@@ -127,26 +135,68 @@ class LeafInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class Piece:
+  """A leaf, or a slice ``[start, stop)`` of its leading axis, updated as one part of a group.
+
+  Attributes:
+    leaf: index of the leaf.
+    start: first row, or None for the whole leaf.
+    stop: end row, or None for the whole leaf.
+  """
+
+  leaf: int
+  start: int | None = None
+  stop: int | None = None
+
+  @property
+  def whole(self) -> bool:
+    return self.start is None
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """Tier of every leaf and the groups the update streams through the device.
 
   Attributes:
     tiers: one `Tier` per leaf, in leaf order.
-    groups: tuples of leaf indices, in update order; every leaf is in exactly one group.
+    units: the groups, in update order: each a tuple of `Piece`s (leaves or row slices of leaves);
+      every row of every leaf is in exactly one piece.
     window_bytes: the device window the groups were sized for.
     bytes_per_tier: state bytes per tier held by this process (`LeafInfo.held_bytes`).
   """
 
   tiers: tuple[Tier, ...]
-  groups: tuple[tuple[int, ...], ...]
+  units: tuple[tuple[Piece, ...], ...]
   window_bytes: int
   bytes_per_tier: dict[str, int]
 
+  @property
+  def groups(self) -> tuple[tuple[int, ...], ...]:
+    """The leaves of each group (a sliced leaf is in the groups of all its slices)."""
+    return tuple(tuple(dict.fromkeys(p.leaf for p in unit)) for unit in self.units)
+
+  def piece_bytes(self, piece: Piece, leaves: Sequence[LeafInfo]) -> int:
+    """Offloaded state bytes of a piece (device-tier leaves count zero)."""
+    if self.tiers[piece.leaf] is Tier.DEVICE:
+      return 0
+    leaf = leaves[piece.leaf]
+    if piece.whole:
+      return leaf.state_bytes
+    return -(-leaf.state_bytes * (piece.stop - piece.start) // leaf.rows)
+
   def group_bytes(self, leaves: Sequence[LeafInfo]) -> list[int]:
-    """Offloaded state bytes of each group (device-tier leaves count zero)."""
-    return [
-      sum(leaves[i].state_bytes for i in g if self.tiers[i] is not Tier.DEVICE) for g in self.groups
-    ]
+    """Offloaded state bytes of each group."""
+    return [sum(self.piece_bytes(p, leaves) for p in unit) for unit in self.units]
+
+
+GROUP_SHARE = 4
+"""Leaves above ``window // (WINDOW_SLOTS * GROUP_SHARE)`` bytes are groups of their own; smaller
+ones are grouped up to that size."""
+
+WINDOW_SLOTS = 2.25
+"""Groups the window holds at once: the one updated (in place) and the one in transit (the
+previous group's new state leaving, then the next group's state arriving), plus the update's own
+temporaries (one chunk's results: measured on XLA:GPU's programs, at most ~0.2 of a group)."""
 
 
 def make_plan(
@@ -164,9 +214,12 @@ def make_plan(
     * the other leaves go to pinned host memory while they fit in `host_limit`; when they do not, the
       largest leaves go to NVMe first (fewest files, longest sequential reads), ties broken by leaf
       order, until the rest fits;
-    * groups are consecutive runs of leaves (leaf order, so reads stay sequential) holding at most
-      ``window_bytes // 2`` of offloaded state each, so that the group being updated and the next one
-      being prefetched fit in the window together. A leaf larger than that is a group of its own.
+    * groups hold at most ``window_bytes / WINDOW_SLOTS`` of offloaded state each, so that the
+      group being updated, the one in transit and the update's temporaries fit in the window
+      together. A host-tier leaf larger than that whose `LeafInfo.rows` allows it is split into
+      near-equal row slices, each a group of its own; any other leaf larger than that is a group
+      of its own (and exceeds the window). Leaves above a quarter of that are groups of their own;
+      smaller ones are grouped, in leaf order, up to a quarter of it (`GROUP_SHARE`).
 
   Args:
     leaves: one `LeafInfo` per parameter leaf, in tree order.
@@ -183,9 +236,12 @@ def make_plan(
 
   Examples:
     >>> leaves = [LeafInfo("a", 10, 80), LeafInfo("b", 10_000, 80_000), LeafInfo("c", 20_000, 160_000)]
-    >>> p = make_plan(leaves, min_size=4096, window_bytes=400_000, host_limit=100_000, nvme=True)
+    >>> p = make_plan(leaves, min_size=4096, window_bytes=1_000_000, host_limit=100_000, nvme=True)
     >>> [t.value for t in p.tiers], p.groups
     (['device', 'host', 'nvme'], ((0, 1), (2,)))
+    >>> stacked = [LeafInfo("layers", 32 * 1024, 32 * 8192, rows=32)]
+    >>> [(u[0].start, u[0].stop) for u in make_plan(stacked, min_size=1, window_bytes=65536).units]
+    [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 24), (24, 28), (28, 32)]
   """
   tiers = [Tier.DEVICE if leaf.size < min_size else Tier.HOST for leaf in leaves]
   host_bytes = sum(leaf.held_bytes for leaf, t in zip(leaves, tiers) if t is Tier.HOST)
@@ -206,44 +262,80 @@ def make_plan(
       tiers[i] = Tier.NVME
       host_bytes -= leaves[i].held_bytes
 
-  group_budget = max(window_bytes // 2, 1)
-  groups: list[tuple[int, ...]] = []
-  current: list[int] = []
-  current_bytes = 0
-  for i, (leaf, tier) in enumerate(zip(leaves, tiers)):
-    nbytes = 0 if tier is Tier.DEVICE else leaf.state_bytes
-    if current and current_bytes + nbytes > group_budget:
-      groups.append(tuple(current))
-      current, current_bytes = [], 0
-    current.append(i)
-    current_bytes += nbytes
-  if current:
-    groups.append(tuple(current))
+  budget = max(int(window_bytes / WINDOW_SLOTS), 1)
+  units = _pack(_pieces(leaves, tiers, budget), leaves, tiers, budget)
 
   bytes_per_tier = {t.value: 0 for t in Tier}
   for leaf, tier in zip(leaves, tiers):
     bytes_per_tier[tier.value] += leaf.held_bytes
-  return Plan(tuple(tiers), tuple(groups), window_bytes, bytes_per_tier)
+  return Plan(tuple(tiers), units, window_bytes, bytes_per_tier)
 
 
-def describe(plan: Plan, leaves: Sequence[LeafInfo]) -> str:
+def _pieces(leaves: Sequence[LeafInfo], tiers: Sequence[Tier], budget: int) -> list[Piece]:
+  """Each leaf whole, or in near-equal row slices of at most `budget` bytes when it can be split."""
+  pieces = []
+  for i, (leaf, tier) in enumerate(zip(leaves, tiers)):
+    nbytes = 0 if tier is Tier.DEVICE else leaf.state_bytes
+    if nbytes <= budget or tier is not Tier.HOST or leaf.rows < 2:
+      pieces.append(Piece(i))
+      continue
+    n = min(leaf.rows, -(-nbytes // budget))
+    while n < leaf.rows and -(-nbytes * -(-leaf.rows // n) // leaf.rows) > budget:
+      n += 1
+    bounds = [leaf.rows * k // n for k in range(n + 1)]
+    pieces.extend(Piece(i, a, b) for a, b in zip(bounds, bounds[1:]))
+  return pieces
+
+
+def _pack(
+  pieces: Sequence[Piece], leaves: Sequence[LeafInfo], tiers: Sequence[Tier], budget: int
+) -> tuple[tuple[Piece, ...], ...]:
+  """Groups of consecutive pieces: a row slice or a leaf above ``budget // GROUP_SHARE`` bytes alone,
+  smaller leaves together up to that size.
+
+  XLA merges the updates of a group's leaves into a few kernels, so several large leaves in one
+  group would leave most of their copies with no update to overlap.
+  """
+  probe = Plan(tuple(tiers), (), 0, {})
+  bundle = max(budget // GROUP_SHARE, 1)
+  units: list[tuple[Piece, ...]] = []
+  current: list[Piece] = []
+  current_bytes = 0
+  for piece in pieces:
+    nbytes = probe.piece_bytes(piece, leaves)
+    if current and (current_bytes + nbytes > bundle or not piece.whole or not current[-1].whole):
+      units.append(tuple(current))
+      current, current_bytes = [], 0
+    current.append(piece)
+    current_bytes += nbytes
+  if current:
+    units.append(tuple(current))
+  return tuple(units)
+
+
+def describe_plan(plan: Plan, leaves: Sequence[LeafInfo]) -> str:
   """A human-readable table of the plan: one line per group, then bytes per tier.
 
   Examples:
     >>> leaves = [LeafInfo("w", 8192, 65536), LeafInfo("b", 8, 64)]
-    >>> print(describe(make_plan(leaves, min_size=4096, window_bytes=1 << 20), leaves))
+    >>> print(describe_plan(make_plan(leaves, min_size=4096, window_bytes=1 << 20), leaves))
     group 0: 64.00 KiB offloaded
       w  host  64.00 KiB
       b  device  64 B
     device: 64 B, host: 64.00 KiB, nvme: 0 B (window 1.00 MiB)
   """
   lines = []
-  for k, (group, nbytes) in enumerate(zip(plan.groups, plan.group_bytes(leaves))):
+  for k, (unit, nbytes) in enumerate(zip(plan.units, plan.group_bytes(leaves))):
     lines.append(f"group {k}: {format_bytes(nbytes)} offloaded")
-    for i in group:
+    for piece in unit:
+      rows = "" if piece.whole else f"[{piece.start}:{piece.stop}]"
       lines.append(
-        f"  {leaves[i].path}  {plan.tiers[i].value}  {format_bytes(leaves[i].state_bytes)}"
+        f"  {leaves[piece.leaf].path}{rows}  {plan.tiers[piece.leaf].value}  "
+        f"{format_bytes(plan.piece_bytes(piece, leaves) or leaves[piece.leaf].state_bytes)}"
       )
   totals = ", ".join(f"{k}: {format_bytes(v)}" for k, v in plan.bytes_per_tier.items())
   lines.append(f"{totals} (window {format_bytes(plan.window_bytes)})")
   return "\n".join(lines)
+
+
+describe = describe_plan

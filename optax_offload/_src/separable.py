@@ -17,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_offload._src import stream
 from optax_offload._src.layout import StateLayout
+from optax_offload._src.plan import Piece
+from optax_offload._src.plan import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -42,26 +45,129 @@ def run_grouped(
   params: Sequence[jax.Array] | None,
   **extra_args,
 ) -> tuple[list[jax.Array], optax.OptState]:
-  """The inner update run group by group, with no placement (the reference semantics of `offload`).
+  """The inner update run group by group (whole leaves), with no placement.
 
   Returns:
     The update leaves (in leaf order) and the new full state.
   """
   shared, per_leaf = layout.split(state)
-  new_shared, new_per_leaf, updates = None, {}, [None] * layout.num_leaves
-  for group in groups:
-    u, s = inner.update(
-      layout.masked(grads, group),
-      layout.view(shared, dict(enumerate(per_leaf)), group),
-      None if params is None else layout.masked(params, group),
-      **extra_args,
-    )
-    group_shared, group_per_leaf = layout.unview(s, group)
-    new_shared = group_shared if new_shared is None else new_shared
-    new_per_leaf.update(group_per_leaf)
-    for i, leaf in zip(group, layout.group_leaves(u, group)):
-      updates[i] = leaf
-  return updates, layout.merge(new_shared, [new_per_leaf[i] for i in range(layout.num_leaves)])
+  spec = _device_spec(tuple(tuple(Piece(i) for i in g) for g in groups), per_leaf, None)
+  updates, new_shared, new_per_leaf, _ = stream.run(
+    inner, layout, spec, grads, shared, per_leaf, params, extra_args
+  )
+  return updates, layout.merge(new_shared, new_per_leaf)
+
+
+def _device_spec(units, per_leaf, dims=None, chunks=None) -> stream.StreamSpec:
+  """A spec with every array on the device (no moves), one chunk per piece unless given."""
+  tiers = tuple((Tier.DEVICE,) * len(jax.tree.leaves(part)) for part in per_leaf)
+  dims = dims or tuple((0,) * len(t) for t in tiers)
+  chunks = chunks or tuple(((0, 1),) * len(u) for u in units)
+  return stream.StreamSpec(units, tiers, dims, chunks)
+
+
+_PROBE_CAP = 256
+"""Non-leading axes of a split probe are cut to this length (keeping e.g. adafactor's factoring,
+which starts at 128)."""
+
+
+def shared_dims(part: object, shape: Sequence[int]) -> tuple[int, ...]:
+  """How many leading axes (at most 2) each array of a state part shares with its param."""
+  out = []
+  for x in jax.tree.leaves(part):
+    d = 0
+    while d < min(2, len(shape), len(x.shape)) and x.shape[d] == shape[d]:
+      d += 1
+    out.append(d)
+  return tuple(out)
+
+
+def splittable(
+  inner: optax.GradientTransformationExtraArgs,
+  avals: Sequence[jax.ShapeDtypeStruct],
+  per_leaf: Sequence[object],
+  dims: Sequence[Sequence[int]],
+  min_size: int,
+  axis: int,
+) -> list[int]:
+  """Per leaf: the length of `axis` when its update may be split along it, else 0.
+
+  Axis 0: updating rows ``[0:1]`` and ``[1:n]`` as separate pieces equals updating the whole leaf
+  (row slices and row chunks). Axis 1: updating it in two column chunks, each applied to the params
+  in place, equals the whole update applied. A probe checks this on a small leaf with the same
+  trailing axes (cut to 256) and very different gradient scales in the two parts, over a few
+  steps; the large state arrays must share the split axes with the param. Elementwise optimizers
+  qualify; lamb and lars (trust ratio over the leaf) do not, nor adafactor's factored moments
+  along the factored axes (stacked 3-D leaves split along axis 0 qualify).
+  """
+  out, cache = [], {}
+  for aval, part, depth in zip(avals, per_leaf, dims):
+    shape = tuple(aval.shape)
+    arrays = jax.tree.leaves(part)
+    big = [j for j, x in enumerate(arrays) if np.prod(x.shape) >= min_size]
+    if (
+      len(shape) <= axis
+      or shape[axis] < 2
+      or not big
+      or not all(depth[j] > axis for j in big)
+      or not jnp.issubdtype(aval.dtype, jnp.floating)
+    ):
+      out.append(0)
+      continue
+    probe = tuple(min(int(d), _PROBE_CAP) for d in shape[1:])
+    key = (jnp.dtype(aval.dtype), probe, tuple(depth), axis)
+    if key not in cache:
+      cache[key] = _split_probe(inner, jnp.dtype(aval.dtype), probe, tuple(depth), axis)
+    out.append(shape[axis] if cache[key] else 0)
+  return out
+
+
+def _split_probe(
+  inner, dtype, trailing: tuple[int, ...], depth: tuple[int, ...], axis: int
+) -> bool:
+  rows = next(m for m in range(5, 64) if m not in trailing)
+  shape = (rows, *trailing)
+  rng = np.random.default_rng(1)
+  with jax.ensure_compile_time_eval():
+    try:
+      params = {"x": jnp.asarray(rng.normal(size=shape) + 0.5, dtype)}
+      layout = StateLayout(inner, jax.tree.structure(params))
+      state = inner.init(params)
+      _, per_leaf = layout.split(state)
+      if shared_dims(per_leaf[0], shape) != depth:
+        return False
+      if axis == 0:
+        spec = _device_spec(((Piece(0, 0, 1),), (Piece(0, 1, rows),)), per_leaf, (depth,))
+      else:
+        spec = _device_spec(((Piece(0),),), per_leaf, (depth,), (((1, 2),),))
+      split_state, split_params = state, params["x"]
+      for scale in _GROUP_SCALES:
+        g = rng.normal(size=shape)
+        first = (slice(None),) * axis + (slice(0, shape[axis] // 2 if axis else 1),)
+        g *= 1e-2
+        g[first] *= 1e2 * scale
+        grads = {"x": jnp.asarray(g, dtype)}
+        joint, state = inner.update(grads, state, params)
+        shared, per = layout.split(split_state)
+        split, new_shared, new_per, _ = stream.run(
+          inner, layout, spec, [grads["x"]], shared, per, [split_params], {}, apply=axis == 1
+        )
+        split_state = layout.merge(new_shared, new_per)
+        # Updates of low-precision params (master weights) may round either way: one ulp of the
+        # params is noise, not a dependence on the other part.
+        ulp = 2 * float(jnp.finfo(dtype).eps) * float(jnp.max(jnp.abs(params["x"])))
+        if axis == 0:
+          _compare("x", dtype, joint["x"], split[0], atol=ulp)
+        else:
+          _compare("x", dtype, optax.apply_updates(params, joint)["x"], split[0], atol=ulp)
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(split_state)):
+          _compare("x", dtype, a, b)
+    except _NotSeparable:
+      return False
+    except Exception as e:  # the probe is a best effort: do not split what it cannot check
+      logger.info("offload: split probe failed (%s: %s); leaves stay whole.", type(e).__name__, e)
+      return False
+  return True
 
 
 def check_separable(
@@ -119,12 +225,14 @@ class _NotSeparable(ValueError):
   pass
 
 
-def _compare(path: str, dtype, joint: jax.Array, split: jax.Array) -> None:
+def _compare(path: str, dtype, joint: jax.Array, split: jax.Array, atol: float = 0.0) -> None:
   a = np.asarray(joint, np.float64)
   b = np.asarray(split, np.float64)
   scale = np.max(np.abs(a), initial=0.0)
   diff = np.abs(a - b)
-  bad = ~(diff <= _tolerance(dtype) * np.abs(a) + 1e-6 * scale) & ~(np.isnan(a) & np.isnan(b))
+  bad = ~(diff <= _tolerance(dtype) * np.abs(a) + 1e-6 * scale + atol) & ~(
+    np.isnan(a) & np.isnan(b)
+  )
   if np.any(bad):
     rel = float(np.max(diff / np.maximum(np.abs(a), 1e-30)))
     raise _NotSeparable(

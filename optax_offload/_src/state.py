@@ -96,14 +96,15 @@ def tiers(state: Any) -> Any:
       return named
     tier = nvme_tier.lookup(s.nvme_store)
     on_nvme = set(tier.keys())
-    shared, per_leaf = tier.layout.split(named.inner)
+    layout = tier.layout.matching(named.inner)
+    shared, per_leaf = layout.split(named.inner)
 
     def mark(i, part):
       arrays, treedef = jax.tree.flatten(part)
       return treedef.unflatten(["nvme" if (i, j) in on_nvme else x for j, x in enumerate(arrays)])
 
     per_leaf = [mark(i, part) for i, part in enumerate(per_leaf)]
-    return named._replace(inner=tier.layout.merge(shared, per_leaf))
+    return named._replace(inner=layout.merge(shared, per_leaf))
 
   return jax.tree.map(
     lambda x: of_state(x) if _is_offload_state(x) else of_array(x),

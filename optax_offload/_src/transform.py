@@ -3,25 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax._src.base import NO_PARAMS_MSG
 
-from optax_offload._src import host_compute
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
+from optax_offload._src import stream
 
 logger = logging.getLogger(__name__)
 
@@ -40,19 +41,26 @@ class OffloadState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _Setup:
-  """Everything `offload` derives from one parameter tree (cached per structure and shapes)."""
+  """Everything `offload` derives from one parameter tree at init: the plan and its resources."""
 
-  layout: layout_lib.StateLayout
   paths: tuple[str, ...]
+  param_shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[Any, ...]
   leaves: tuple[plan_lib.LeafInfo, ...]
   plan: plan_lib.Plan
   part_shapes: tuple[list[tuple[int, ...]], ...]  # shapes of each leaf's state arrays
   array_tiers: tuple[tuple[plan_lib.Tier, ...], ...]  # tier of each leaf's state arrays
+  spec: stream.StreamSpec
+  layout: layout_lib.StateLayout  # of the tree init saw
   nvme: nvme_tier.NvmeTier | None
 
   def handles(self, generation: int) -> tuple[jax.Array, jax.Array]:
     store = -1 if self.nvme is None else self.nvme.id
     return jnp.asarray(store, jnp.int32), jnp.asarray(generation, jnp.int32)
+
+  @property
+  def usable(self) -> bool:
+    return self.nvme is None or not self.nvme.closed
 
 
 def _default_window_bytes() -> int:
@@ -84,7 +92,12 @@ def _local_device_count(sharding: Any) -> int:
 
 
 def _host_sharding(sharding: Any, part_shape: tuple[int, ...], param_shape: tuple[int, ...]):
-  """Sharding of an offloaded state part: the param's, in pinned host memory."""
+  """Sharding of an offloaded state part: the param's, in pinned host memory.
+
+  The state keeps the kind of sharding its params have (a one-device param's state a
+  SingleDeviceSharding), so that a jitted step's outputs have its inputs' shardings and the step
+  compiles once.
+  """
   if tuple(part_shape) != tuple(param_shape) and isinstance(sharding, jax.sharding.NamedSharding):
     sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
   return sharding.with_memory_kind("pinned_host")
@@ -110,6 +123,123 @@ def _array_tiers(part: Any, tier: plan_lib.Tier, min_size: int) -> tuple[plan_li
 
 def _leaf_path(path) -> str:
   return jax.tree_util.keystr(path) or "<root>"
+
+
+def _unsharded_axes(sharding: Any) -> int:
+  """How many leading axes of a param are not sharded (at most 2)."""
+  if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return 2
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = tuple(sharding.spec) + (None, None)
+    return 0 if spec[0] is not None else (1 if spec[1] is not None else 2)
+  return 0
+
+
+CHUNKS = 8
+"""Row chunks of a group's update: at least two, so that every copy can overlap an update (XLA:GPU
+keeps two copies in flight) and the update is written in place; more make the chunk's own results
+(temporaries outside the window) smaller."""
+
+
+def _chunks(unit, leaves, array_tiers, cols, n_units: int) -> tuple[tuple[int, int], ...]:
+  """``(axis, count)`` per piece: enough updates per group for every copy to overlap one (XLA:GPU
+  keeps two copies in flight) and the update in place; rows when the piece has enough, else columns;
+  one chunk when the plan has one group or the leaf cannot split.
+  """
+  out = []
+  for piece in unit:
+    leaf = leaves[piece.leaf]
+    offloaded = any(t is not plan_lib.Tier.DEVICE for t in array_tiers[piece.leaf])
+    rows = leaf.rows if piece.whole else piece.stop - piece.start
+    if n_units < 2 or not offloaded:
+      out.append((0, 1))
+    elif leaf.rows and rows >= CHUNKS:
+      out.append((0, CHUNKS))
+    elif cols[piece.leaf] >= CHUNKS:
+      out.append((1, CHUNKS))
+    elif leaf.rows and rows >= 2:
+      out.append((0, rows))
+    else:
+      out.append((0, 1))
+  return tuple(out)
+
+
+def make_setup(
+  inner: optax.GradientTransformationExtraArgs,
+  treedef: Any,
+  paths: Sequence[str],
+  avals: Sequence[jax.ShapeDtypeStruct],
+  shardings: Sequence[Any],
+  *,
+  min_size: int,
+  window_bytes: int | None,
+  host_limit: int | None,
+  nvme_dir: Any = None,
+  nvme_options: dict[str, Any] | None = None,
+  check_separable: bool = True,
+) -> _Setup:
+  """Plans one parameter tree: tiers, groups, row slices and chunks; opens the NVMe store if used."""
+  layout = layout_lib.StateLayout(inner, treedef)
+  abstract_state = jax.eval_shape(inner.init, treedef.unflatten(list(avals)))
+  _, per_leaf = layout.split(abstract_state)
+  if check_separable:
+    separable.check_separable(inner, layout, paths, avals)
+  dims = tuple(separable.shared_dims(part, a.shape) for part, a in zip(per_leaf, avals))
+  unsharded = [_unsharded_axes(s) for s in shardings]
+  rows = separable.splittable(inner, avals, per_leaf, dims, min_size, axis=0)
+  cols = separable.splittable(inner, avals, per_leaf, dims, min_size, axis=1)
+  rows = [n if u >= 1 else 0 for n, u in zip(rows, unsharded)]
+  cols = [n if u >= 2 else 0 for n, u in zip(cols, unsharded)]
+  leaves = tuple(
+    plan_lib.LeafInfo(
+      p,
+      math.prod(a.shape),
+      _state_bytes(part, a.shape, s),
+      _state_bytes(part, a.shape, s) * _local_device_count(s),
+      rows=n,
+    )
+    for p, a, part, s, n in zip(paths, avals, per_leaf, shardings, rows)
+  )
+  the_plan = plan_lib.make_plan(
+    leaves,
+    min_size=min_size,
+    window_bytes=window_bytes if window_bytes is not None else _default_window_bytes(),
+    host_limit=host_limit,
+    nvme=nvme_dir is not None,
+  )
+  part_shapes = tuple([tuple(x.shape) for x in jax.tree.leaves(part)] for part in per_leaf)
+  array_tiers = tuple(_array_tiers(part, t, min_size) for part, t in zip(per_leaf, the_plan.tiers))
+  spec = stream.StreamSpec(
+    the_plan.units,
+    array_tiers,
+    dims,
+    tuple(_chunks(u, leaves, array_tiers, cols, len(the_plan.units)) for u in the_plan.units),
+  )
+  tier = None
+  if any(plan_lib.Tier.NVME in ts for ts in array_tiers):
+    tier = nvme_tier.NvmeTier(
+      nvme_tier.process_directory(nvme_dir),
+      the_plan.groups,
+      array_tiers,
+      per_leaf,
+      [tuple(a.shape) for a in avals],
+      shardings,
+      **(nvme_options or {}),
+    )
+    tier.layout = layout
+  logger.info("offload plan:\n%s", plan_lib.describe_plan(the_plan, leaves))
+  return _Setup(
+    tuple(paths),
+    tuple(tuple(a.shape) for a in avals),
+    tuple(jnp.dtype(a.dtype) for a in avals),
+    leaves,
+    the_plan,
+    part_shapes,
+    array_tiers,
+    spec,
+    layout,
+    tier,
+  )
 
 
 def offload(
@@ -212,54 +342,54 @@ def offload(
   inner = optax.with_extra_args_support(inner)
   if master_dtype is not None:
     inner = master_lib.with_master_weights(inner, master_dtype)
-  setups: dict[Any, _Setup] = {}
+  # One setup per parameter shapes: init makes it (and opens the NVMe store, if any); update finds
+  # it again from the gradients' shapes, whatever their container types (Flax NNX hands init
+  # `nnx.Param` variables and update plain arrays) or dtypes.
+  setups: dict[tuple[tuple[int, ...], ...], _Setup] = {}
+  layouts: dict[Any, layout_lib.StateLayout] = {}
+  options = dict(
+    min_size=min_size,
+    window_bytes=window,
+    host_limit=host_limit_bytes,
+    nvme_dir=nvme_dir,
+    nvme_options=nvme_options,
+    check_separable=check_separable,
+  )
 
-  def get_setup(treedef, paths, avals, shardings) -> _Setup:
-    key = (treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in avals))
-    if key in setups and not (setups[key].nvme is not None and setups[key].nvme.closed):
-      return setups[key]
-    layout = layout_lib.StateLayout(inner, treedef)
-    abstract_state = jax.eval_shape(inner.init, treedef.unflatten(list(avals)))
-    _, per_leaf = layout.split(abstract_state)
-    leaves = tuple(
-      plan_lib.LeafInfo(
-        p,
-        math.prod(a.shape),
-        _state_bytes(part, a.shape, s),
-        _state_bytes(part, a.shape, s) * _local_device_count(s),
-      )
-      for p, a, part, s in zip(paths, avals, per_leaf, shardings)
-    )
-    the_plan = plan_lib.make_plan(
-      leaves,
-      min_size=min_size,
-      window_bytes=window if window is not None else _default_window_bytes(),
-      host_limit=host_limit_bytes,
-      nvme=nvme_dir is not None,
-    )
-    if check_separable:
-      separable.check_separable(inner, layout, paths, avals)
-    part_shapes = tuple([tuple(x.shape) for x in jax.tree.leaves(part)] for part in per_leaf)
-    array_tiers = tuple(
-      _array_tiers(part, t, min_size) for part, t in zip(per_leaf, the_plan.tiers)
-    )
-    tier = None
-    if any(plan_lib.Tier.NVME in ts for ts in array_tiers):
-      tier = nvme_tier.NvmeTier(
-        nvme_tier.process_directory(nvme_dir),
-        the_plan.groups,
-        array_tiers,
-        per_leaf,
-        [tuple(a.shape) for a in avals],
-        shardings,
-        **nvme_options,
-      )
-      tier.layout = layout
-    setups[key] = _Setup(layout, tuple(paths), leaves, the_plan, part_shapes, array_tiers, tier)
-    logger.info("offload plan:\n%s", plan_lib.describe(the_plan, leaves))
+  def layout_for(treedef) -> layout_lib.StateLayout:
+    if treedef not in layouts:
+      layouts[treedef] = layout_lib.StateLayout(inner, treedef)
+    return layouts[treedef]
+
+  def setup_for_init(treedef, paths, avals, shardings) -> _Setup:
+    key = tuple(tuple(a.shape) for a in avals)
+    old = setups.get(key)
+    dtypes = tuple(jnp.dtype(a.dtype) for a in avals)
+    if old is not None and old.usable and old.dtypes == dtypes:
+      return old
+    setups[key] = make_setup(inner, treedef, paths, avals, shardings, **options)
+    layouts.setdefault(treedef, setups[key].layout)
     return setups[key]
 
-  def init_fn(params: optax.Params) -> OffloadState:
+  def setup_for_update(paths, avals) -> _Setup:
+    key = tuple(tuple(a.shape) for a in avals)
+    if key in setups:
+      return setups[key]
+    if setups:
+      (known,) = list(setups.values())[-1:]
+      raise ValueError(_mismatch_message(known, paths, avals))
+    # No init in this process (e.g. a state restored by other means): plan from the gradients.
+    setups[key] = make_setup(
+      inner,
+      jax.tree.structure(list(avals)),
+      paths,
+      avals,
+      [None] * len(avals),
+      **{**options, "nvme_dir": None, "host_limit": None},
+    )
+    return setups[key]
+
+  def init_fn(params: optax.Params, abstract_only: bool = False) -> OffloadState:
     if layout_lib.is_placeholder(params):  # optax.tree_utils.tree_map_params asks for the layout
       return OffloadState(
         inner.init(params), jnp.asarray(-1, jnp.int32), jnp.asarray(-1, jnp.int32)
@@ -271,7 +401,8 @@ def offload(
     shardings = [getattr(v, "sharding", None) for v in values]
     if master_dtype is not None:
       master_lib.check_master_dtype(values, paths, master_dtype)
-    setup = get_setup(treedef, paths, avals, shardings)
+    setup = setup_for_init(treedef, paths, avals, shardings)
+    layout = layout_for(treedef)
 
     def leaves_of(concrete):
       it = iter(concrete)
@@ -285,13 +416,19 @@ def offload(
       generation = setup.nvme.store.new_generation()
 
     def place(*concrete):
-      shared, per_leaf = setup.layout.split(inner.init(treedef.unflatten(leaves_of(concrete))))
+      shared, per_leaf = layout.split(inner.init(treedef.unflatten(leaves_of(concrete))))
       per_leaf = [
         _map_arrays(part, tiers, _place_array) for part, tiers in zip(per_leaf, setup.array_tiers)
       ]
-      return OffloadState(setup.layout.merge(shared, per_leaf), *setup.handles(generation))
+      return OffloadState(layout.merge(shared, per_leaf), *setup.handles(generation))
 
     concrete = [v for v in values if not isinstance(v, jax.ShapeDtypeStruct)]
+    if abstract_only:
+      state = jax.eval_shape(place, *concrete)
+      placed = _state_shardings(setup, layout, state, shardings, named=True)
+      return jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, placed
+      )
     if any(isinstance(v, jax.core.Tracer) for v in concrete):
       if setup.nvme is not None:
         raise ValueError(
@@ -301,7 +438,9 @@ def offload(
       return place(*concrete)
     if setup.nvme is not None:
       _init_nvme(inner, setup, generation, lambda c: treedef.unflatten(leaves_of(c)), concrete)
-    out_shardings = _init_out_shardings(setup, jax.eval_shape(place, *concrete), avals, shardings)
+    out_shardings = _state_shardings(
+      setup, layout, jax.eval_shape(place, *concrete), shardings, named=False
+    )
     return jax.jit(place, out_shardings=out_shardings)(*concrete)
 
   def update_fn(
@@ -310,6 +449,9 @@ def offload(
     params: optax.Params | None = None,
     **extra_args,
   ) -> tuple[optax.Updates, OffloadState]:
+    return update(updates, state, params, extra_args, apply=False)
+
+  def update(updates, state, params, extra_args, apply):
     if not isinstance(state, OffloadState):
       raise TypeError(
         f"offload's update expects the OffloadState returned by its init, got {type(state).__name__}."
@@ -322,22 +464,27 @@ def offload(
       param_leaves = _matching_leaves(params, treedef, paths, "params")
     dtypes = [jnp.result_type(p) for p in (param_leaves or grads)]
     avals = [jax.ShapeDtypeStruct(jnp.shape(g), d) for g, d in zip(grads, dtypes)]
-    setup = get_setup(treedef, paths, avals, [None] * len(grads))
-    shared, per_leaf = _split_checked(setup, state.inner, paths)
+    setup = setup_for_update(paths, avals)
+    layout = layout_for(treedef)
+    shared, per_leaf = _split_checked(setup, layout, state.inner, paths)
     if not grads:
       new_updates, new_inner = inner.update(updates, state.inner, params, **extra_args)
-      return new_updates, state._replace(inner=new_inner)
+      return (params if apply else new_updates), state._replace(inner=new_inner)
     try:
-      new_updates, new_shared, new_per_leaf, new_generation = _windowed_update(
+      new_updates, new_shared, new_per_leaf, new_generation = stream.run(
         inner,
-        setup,
+        layout,
+        setup.spec,
         grads,
         shared,
         per_leaf,
         param_leaves,
         extra_args,
-        state.nvme_generation,
-        on_host=update_on == "host",
+        placement=update_on,
+        nvme=setup.nvme,
+        generation=state.nvme_generation,
+        store=state.nvme_store,
+        apply=apply,
       )
     except ValueError as e:
       if NO_PARAMS_MSG in str(e) and params is None:
@@ -349,28 +496,189 @@ def offload(
     return (
       treedef.unflatten(new_updates),
       state._replace(
-        inner=setup.layout.merge(new_shared, new_per_leaf),
+        inner=layout.merge(new_shared, new_per_leaf),
         nvme_generation=new_generation,
       ),
     )
 
+  _ABSTRACT[init_fn] = lambda params: init_fn(params, abstract_only=True)
+  _APPLYING[update_fn] = lambda grads, state, params, extra_args: update(
+    grads, state, params, extra_args, apply=True
+  )
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _init_out_shardings(setup: _Setup, abstract: OffloadState, avals, shardings) -> Any:
-  """out_shardings for init: offloaded parts take their param's sharding in pinned host memory."""
-  shared, per_leaf = setup.layout.split(abstract.inner)
-  shared = [jax.tree.map(lambda _: None, s) for s in shared]
-  placed = []
-  for part, tiers, aval, sharding in zip(per_leaf, setup.array_tiers, avals, shardings):
+_APPLYING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ABSTRACT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""`offload` update functions -> the same update returning new params (`update_and_apply`)."""
 
-    def spec(tier, j, x, sharding=sharding, aval=aval):
-      if tier is plan_lib.Tier.HOST and sharding is not None:
-        return _host_sharding(sharding, x.shape, aval.shape)
-      return None
+
+def abstract_state(tx: optax.GradientTransformation, params: optax.Params) -> OffloadState:
+  """The state ``tx.init(params)`` would return, as `jax.ShapeDtypeStruct`s with its placement.
+
+  Every leaf carries a `jax.sharding.NamedSharding` with its memory kind (``pinned_host`` for
+  offloaded state), so the usual large-model recipe keeps the state off the device: build the
+  state with ``jax.jit(tx.init, out_shardings=...)`` from these shardings, or trace and compile a
+  step ahead of time from them (`jax.eval_shape` returns no memory kinds, and in jax 0.10 only a
+  NamedSharding carries its memory kind into tracing). One-device params get a one-device mesh:
+  give the params NamedShardings too, so that a jitted step's outputs keep its inputs' shardings
+  (mixing them with SingleDeviceShardings makes the second step compile again).
+
+  Args:
+    tx: a transformation returned by `offload`.
+    params: the params, as arrays or `jax.ShapeDtypeStruct`s (with shardings, or on the default
+      device).
+
+  Returns:
+    An `OffloadState` of `jax.ShapeDtypeStruct`s.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optax_offload as oo
+    >>> tx = oo.offload(optax.adam(1e-3))
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 256), jnp.float32)}
+    >>> state = oo.abstract_state(tx, params)
+    >>> state.inner[0].mu["w"].sharding.memory_kind
+    'pinned_host'
+    >>> shardings = jax.tree.map(lambda x: x.sharding, state)
+    >>> real = jax.jit(tx.init, out_shardings=shardings)({"w": jnp.zeros((1024, 256))})
+    >>> real.inner[0].mu["w"].sharding.memory_kind
+    'pinned_host'
+  """
+  abstract = _ABSTRACT.get(getattr(tx, "init", None))
+  if abstract is None:
+    raise TypeError("abstract_state needs a transformation returned by oo.offload.")
+  return abstract(params)
+
+
+def update_and_apply(
+  tx: optax.GradientTransformation,
+  grads: optax.Updates,
+  state: OffloadState,
+  params: optax.Params,
+  **extra_args,
+) -> tuple[optax.Params, OffloadState]:
+  """``tx.update`` then ``optax.apply_updates``, fused group by group: the updates never exist whole.
+
+  The same values as::
+
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+
+  but each group's new params are written into the params' buffers as soon as the group is
+  computed, so the device holds no param-sized updates (with ``master_dtype``, fp32 updates of bf16
+  params would take twice the params' size). Donate the params to the jitted step so that the new
+  params take their place.
+
+  Args:
+    tx: a transformation returned by `offload` (not a chain: apply leaf-mixing transformations such
+      as ``optax.clip_by_global_norm`` to the gradients first).
+    grads: the gradients.
+    state: the `OffloadState`.
+    params: the params.
+    **extra_args: passed to the inner transformation.
+
+  Returns:
+    (new params, new state).
+
+  Raises:
+    TypeError: when `tx` is not an `offload` transformation.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optax_offload as oo
+    >>> params = {"w": jnp.ones((64, 128))}
+    >>> tx = oo.offload(optax.sgd(0.5), window_bytes="8KiB")
+    >>> state = tx.init(params)
+    >>> step = jax.jit(lambda g, s, p: oo.update_and_apply(tx, g, s, p), donate_argnums=(1, 2))
+    >>> params, state = step({"w": jnp.ones((64, 128))}, state, params)
+    >>> float(params["w"][0, 0])
+    0.5
+  """
+  applying = _APPLYING.get(getattr(tx, "update", None))
+  if applying is None:
+    raise TypeError(
+      "update_and_apply needs a transformation returned by oo.offload (its update applies the "
+      "updates group by group). For optax.chain(clip, oo.offload(...)), clip the gradients first: "
+      "grads, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState()); then call "
+      "oo.update_and_apply(offloaded, grads, state, params)."
+    )
+  return applying(grads, state, params, extra_args)
+
+
+def _named(sharding: Any) -> jax.sharding.NamedSharding:
+  """The same placement as a NamedSharding (one-device shardings on a one-device mesh)."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  (device,) = sharding.device_set
+  mesh = jax.sharding.Mesh(np.array([device]), ("d",))
+  return jax.sharding.NamedSharding(
+    mesh, jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind
+  )
+
+
+def _state_shardings(setup: _Setup, layout, abstract: OffloadState, shardings, named: bool) -> Any:
+  """A sharding for every leaf of the state: where `offload` puts each.
+
+  Offloaded parts take their param's sharding in pinned host memory; parts shaped like their param
+  its sharding on the device; other parts and the shared leaves are replicated (on the params'
+  mesh, or on the first param's device). With `named`, one-device shardings become NamedShardings
+  of a one-device mesh (what abstract tracing needs in jax 0.10).
+  """
+  default = next((s for s in shardings if s is not None), None)
+  if default is None:
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  if isinstance(default, jax.sharding.NamedSharding):
+    default = jax.sharding.NamedSharding(default.mesh, jax.sharding.PartitionSpec())
+  elif not isinstance(default, jax.sharding.SingleDeviceSharding):
+    default = jax.sharding.SingleDeviceSharding(next(iter(default.device_set)))
+  default = default.with_memory_kind("device")
+  if named:
+    default = _named(default)
+  shared, per_leaf = layout.split(abstract.inner)
+  shared = [jax.tree.map(lambda _: default, s) for s in shared]
+  placed = []
+  for part, tiers, aval, sharding in zip(
+    per_leaf, setup.array_tiers, setup.param_shapes, shardings
+  ):
+    sharding = default if sharding is None else sharding.with_memory_kind("device")
+    if named:
+      sharding = _named(sharding)
+
+    def spec(tier, j, x, sharding=sharding, shape=aval):
+      if tier is plan_lib.Tier.HOST:
+        return _host_sharding(sharding, x.shape, shape)
+      if tier is plan_lib.Tier.NVME or tuple(x.shape) != tuple(shape):
+        if isinstance(sharding, jax.sharding.NamedSharding):
+          return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        return default
+      return sharding
 
     placed.append(_map_arrays(part, tiers, spec))
-  return OffloadState(setup.layout.merge(shared, placed), None, None)
+  return OffloadState(layout.merge(shared, placed), default, default)
+
+
+def _mismatch_message(known: _Setup, paths: Sequence[str], avals) -> str:
+  """Why gradients of these paths and shapes do not fit the state `known` was planned for."""
+
+  def norm(p):  # Flax NNX variables add `.value` to init's paths
+    return p.removesuffix(".value")
+
+  if len(paths) != len(known.paths):
+    difference = _path_difference(
+      [norm(p) for p in known.paths], [norm(p) for p in paths], "tx.init's params", "the gradients"
+    )
+    return (
+      "offload: the gradients' tree structure does not match the tree the optimizer state was "
+      f"initialised with ({difference}). Pass gradients with the same structure as the params "
+      "given to tx.init."
+    )
+  for path, aval, want in zip(paths, avals, known.param_shapes):
+    if tuple(aval.shape) != want:
+      return (
+        f"offload: gradient leaf {path} has shape {tuple(aval.shape)}, but the optimizer state was "
+        f"initialised for a param of shape {want}. Pass gradients with the same shapes as the "
+        "params given to tx.init."
+      )
+  return "offload: the gradients do not match the params given to tx.init."
 
 
 def _matching_leaves(tree: Any, treedef: Any, paths: Sequence[str], name: str) -> list[Any]:
@@ -396,10 +704,11 @@ def _path_difference(a: Sequence[str], b: Sequence[str], a_name: str, b_name: st
   return "; ".join(parts) or "same leaves, different container types"
 
 
-def _split_checked(setup: _Setup, inner_state, paths):
-  """Splits the state, with errors that name the leaf when it does not match the gradients."""
+def _split_checked(setup: _Setup, layout, inner_state, paths):
+  """Splits the state, with errors that name the leaf when it does not match the gradients or lost
+  its placement."""
   try:
-    shared, per_leaf = setup.layout.split(inner_state)
+    shared, per_leaf = layout.split(inner_state)
   except (ValueError, TypeError) as e:
     raise ValueError(
       "offload: the gradients' tree structure does not match the tree the optimizer state was "
@@ -407,7 +716,8 @@ def _split_checked(setup: _Setup, inner_state, paths):
       "tx.init."
     ) from None
   for path, want_shapes, got, tiers in zip(paths, setup.part_shapes, per_leaf, setup.array_tiers):
-    got_shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(got)]
+    got_arrays = jax.tree.leaves(got)
+    got_shapes = [tuple(jnp.shape(x)) for x in got_arrays]
     want_shapes = [(0,) if t is plan_lib.Tier.NVME else w for w, t in zip(want_shapes, tiers)]
     if want_shapes != got_shapes:
       raise ValueError(
@@ -415,7 +725,21 @@ def _split_checked(setup: _Setup, inner_state, paths):
         f"{got_shapes} but a gradient of this shape needs {want_shapes}. Pass gradients with the "
         "same shapes as the params given to tx.init."
       )
+    for x, tier in zip(got_arrays, tiers):
+      if tier is plan_lib.Tier.HOST and _memory_space(x) is not HOST:
+        raise ValueError(
+          f"offload: the optimizer state of leaf {path} is typed as {_memory_space(x)} memory, but "
+          "offload keeps it in pinned host memory: the state lost its placement. jax.eval_shape "
+          "returns no memory kinds, and in jax 0.10 a jax.ShapeDtypeStruct carries its memory kind "
+          "into tracing only with a NamedSharding (not with the SingleDeviceSharding of a "
+          "one-device state). Use the state tx.init returns, oo.abstract_state(tx, params) for "
+          "abstract (ahead-of-time) tracing, or params on a jax.sharding.Mesh."
+        )
   return shared, per_leaf
+
+
+def _memory_space(x: Any):
+  return getattr(jax.typeof(x), "memory_space", None)
 
 
 def _init_nvme(inner, setup: _Setup, generation: int, build_params, concrete) -> None:
@@ -446,113 +770,7 @@ def _place_array(tier: plan_lib.Tier, j: int, x: jax.Array) -> jax.Array:
   """Where a state array rests between steps."""
   del j
   if tier is plan_lib.Tier.HOST:
-    return _to_space(x, HOST)
+    return jax.device_put(x, HOST)
   if tier is plan_lib.Tier.NVME:
     return nvme_tier.placeholder(x)
   return x
-
-
-def _to_space(tree: Any, space: jax.memory.Space) -> Any:
-  """Moves every array not already in `space` (inside jit, an annotation; a no-op when equal)."""
-
-  def move(x):
-    if getattr(jax.typeof(x), "memory_space", None) == space:
-      return x
-    return jax.device_put(x, space)
-
-  return jax.tree.map(move, tree)
-
-
-def _windowed_update(
-  inner, setup: _Setup, grads, shared, per_leaf, params, extra_args, generation, on_host
-):
-  """Runs the inner update group by group.
-
-  With ``on_host=False`` each group's offloaded state goes through the device window: group k+1 is
-  brought in (prefetch) while group k computes, but only after group k-1's new state has gone back
-  to the host; an optimization barrier ties the two, so XLA cannot hoist every transfer to the
-  start of the program. At most two groups' offloaded state is on the device at once.
-
-  With ``on_host=True`` each group's update runs on the host (``compute_on("device_host")``) next to
-  its state: the group's gradients and params go to the host, its updates come back, the state
-  never crosses the link.
-
-  NVMe-tier arrays come in and go out through one callback each per group; the store prefetches
-  and writes behind on its own threads.
-  """
-  layout, groups, tiers, tier = setup.layout, setup.plan.groups, setup.array_tiers, setup.nvme
-  compute_space = HOST if on_host else DEVICE
-  # Threads the NVMe callbacks in program order: [generation read, generation written].
-  token = tier.begin_traced(generation) if tier is not None else generation
-  has_host = [plan_lib.Tier.HOST in t for t in tiers]
-
-  def bring_in(k, parts, token):
-    fetched = {}
-    if tier is not None and k in tier.groups:
-      fetched, token = tier.fetch(k, token)
-
-    def load(t, j, x, i):
-      x = fetched[(i, j)] if t is plan_lib.Tier.NVME else x
-      return _to_space(x, compute_space)
-
-    out = {
-      i: _map_arrays(parts[i], tiers[i], lambda t, j, x, i=i: load(t, j, x, i)) for i in groups[k]
-    }
-    return out, token
-
-  def send_out(k, parts, token):
-    if tier is not None and k in tier.groups:
-      token = tier.put(k, token, parts)
-
-    def place(t, j, x):
-      return _place_array(t, j, x) if t is not plan_lib.Tier.DEVICE else _to_space(x, DEVICE)
-
-    return {i: _map_arrays(p, tiers[i], place) for i, p in parts.items()}, token
-
-  def group_update(group, grads_, state_, params_):
-    return inner.update(
-      layout.masked(grads_, group),
-      state_,
-      None if params_ is None else layout.masked(params_, group),
-      **extra_args,
-    )
-
-  shared_in = _to_space(shared, compute_space)
-  new_shared, new_per_leaf, new_updates = None, {}, [None] * layout.num_leaves
-  current, token = bring_in(0, per_leaf, token)
-  sent_back: dict[int, Any] = {}  # previous group's new host parts
-  for k, group in enumerate(groups):
-    upcoming = None
-    if k + 1 < len(groups):
-      nxt = {i: per_leaf[i] for i in groups[k + 1]}
-      if sent_back and not on_host:
-        (nxt, token), sent_back = jax.lax.optimization_barrier(((nxt, token), sent_back))
-        new_per_leaf.update(sent_back)
-      upcoming, token = bring_in(k + 1, nxt, token)
-    members = set(group)
-    group_grads = [
-      _to_space(g, compute_space) if i in members else None for i, g in enumerate(grads)
-    ]
-    group_params = None
-    if params is not None:
-      group_params = [
-        _to_space(p, compute_space) if i in members else None for i, p in enumerate(params)
-      ]
-    state_view = layout.view(shared_in, current, group)
-    if on_host:
-      update = functools.partial(group_update, group)
-      u, s = host_compute.run_on_host(update, group_grads, state_view, group_params)
-      u = _to_space(u, DEVICE)
-    else:
-      u, s = group_update(group, group_grads, state_view, group_params)
-    group_shared, group_parts = layout.unview(s, group)
-    new_shared = _to_space(group_shared, DEVICE) if new_shared is None else new_shared
-    for i, leaf in zip(group, layout.group_leaves(u, group)):
-      new_updates[i] = leaf
-    group_parts, token = send_out(k, group_parts, token)
-    sent_back = {i: part for i, part in group_parts.items() if has_host[i]}
-    new_per_leaf.update(group_parts)
-    current = upcoming
-  new_generation = tier.commit_traced(token) if tier is not None else generation
-  new_per_leaf = [new_per_leaf[i] for i in range(layout.num_leaves)]
-  return new_updates, new_shared, new_per_leaf, new_generation

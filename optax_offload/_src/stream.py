@@ -1,0 +1,546 @@
+"""The grouped update: the inner transformation run group by group, each group's state streamed.
+
+`run` is the one loop behind `offload`'s update (and the reference semantics its tests compare
+against). The plan's groups (`plan.Plan.units`) hold pieces: whole leaves, or row slices of big
+leaves. For each group, in order:
+
+1. its offloaded state arrives on the device (host tier: one copy per array, of a slice of the host
+   array for a row slice; NVMe tier: the group's store fetch);
+2. the inner transformation updates it in `StreamSpec.chunks` row chunks, each written back into
+   the arrived buffers (`dynamic_update_slice`, which XLA does in place), so a group costs its own
+   size on the device, not twice that;
+3. its new state leaves the device while the next group computes (host tier: a copy, or a
+   `dynamic_update_slice` into the donated host array for a row slice; NVMe: the group's put).
+
+Program order on the device (``placement="device"``): stage k computes group k; the previous
+group's new state leaves during the first half of its chunks, and the next group's state arrives
+during the second half, once the leaving copies are done. `jax.lax.optimization_barrier`s fix that
+order, so at most two groups' state is on the device at once (the window) and every copy can be in
+flight while some update computes. XLA:GPU keeps at most two copies in flight: with one update
+computation per group only half of a group's copies (two in, two out for Adam) could overlap
+compute, hence at least two chunks per group.
+
+With ``placement="host"`` each group's update runs on the host next to its state
+(``compute_on("device_host")``): only the group's gradients (and params) go to the host and its
+updates come back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core
+
+from optax_offload._src import host_compute
+from optax_offload._src.plan import Piece
+from optax_offload._src.plan import Tier
+
+HOST = jax.memory.Space.Host
+DEVICE = jax.memory.Space.Device
+
+Key = tuple[int, int]
+"""(leaf index, index of the array in the leaf's flattened state part)."""
+
+
+Box = tuple[tuple[int, int], ...]
+"""(start, stop) along each of an array's leading axes; the other axes are whole."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+  """How `run` moves and splits the state: derived from the plan and the state's shapes.
+
+  Attributes:
+    units: the plan's groups of pieces, in update order.
+    array_tiers: per leaf, the tier of each array of its state part.
+    dims: per leaf, how many leading axes each array of its state part shares with the param (0, 1
+      or 2): a row slice or chunk of the leaf takes the same rows (and columns) of those axes;
+      an array sharing none is passed whole.
+    chunks: per group, per piece, ``(axis, count)``: its update (with `update_and_apply`) is
+      computed in `count` chunks along `axis` (0: rows, 1: columns), each written in place.
+  """
+
+  units: tuple[tuple[Piece, ...], ...]
+  array_tiers: tuple[tuple[Tier, ...], ...]
+  dims: tuple[tuple[int, ...], ...]
+  chunks: tuple[tuple[tuple[int, int], ...], ...]
+
+  def offloaded(self, i: int) -> list[int]:
+    """The arrays of leaf i's state part that live off the device between steps."""
+    return [j for j, t in enumerate(self.array_tiers[i]) if t is not Tier.DEVICE]
+
+
+def _chunk_bounds(start: int, stop: int, chunks: int) -> list[tuple[int, int]]:
+  bounds = [start + (stop - start) * q // chunks for q in range(chunks + 1)]
+  return list(zip(bounds, bounds[1:]))
+
+
+def _slice(x: jax.Array, start: int, stop: int) -> jax.Array:
+  return _take(x, ((start, stop),), 1)
+
+
+def _put_rows(x: jax.Array, value: jax.Array, start: int) -> jax.Array:
+  return _write(x, value, ((start, start + value.shape[0]),), 1)
+
+
+def _take(x: jax.Array, box: Box, depth: int) -> jax.Array:
+  """The box of `x` along its first `depth` axes (the box's first ones)."""
+  box = box[: min(depth, len(box))]
+  if all(a == 0 and b == n for (a, b), n in zip(box, x.shape)):
+    return x
+  starts = [a for a, _ in box] + [0] * (x.ndim - len(box))
+  limits = [b for _, b in box] + list(x.shape[len(box) :])
+  return lax.slice(x, starts, limits)
+
+
+def _write(x: jax.Array, value: jax.Array, box: Box, depth: int) -> jax.Array:
+  """`x` with `value` written at the box (first `depth` axes); XLA does it in place."""
+  if value.shape == x.shape:
+    return value
+  box = box[: min(depth, len(box))]
+  starts = [a for a, _ in box] + [0] * (x.ndim - len(box))
+  return lax.dynamic_update_slice(x, value.astype(x.dtype), starts)
+
+
+def _local(box: Box, start: int) -> Box:
+  """A leaf's box in the coordinates of a piece starting at row `start`."""
+  return ((box[0][0] - start, box[0][1] - start),) + box[1:]
+
+
+_TRACED_UPDATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _inner_update(inner):
+  """``inner.update``; inside a trace, a jitted call, so that the many chunk and group updates of
+  the same shapes are traced once (XLA inlines the call: the program is the same)."""
+
+  def call(grads, state, params, extra_args):
+    if not any(isinstance(x, core.Tracer) for x in jax.tree.leaves(grads)):
+      return inner.update(grads, state, params, **extra_args)
+    update = inner.update
+    if update not in _TRACED_UPDATES:
+      _TRACED_UPDATES[update] = jax.jit(lambda g, s, p, kw: update(g, s, p, **kw))
+    return _TRACED_UPDATES[update](grads, state, params, extra_args)
+
+  return call
+
+
+def _to(x: Any, space) -> Any:
+  return jax.tree.map(lambda a: jax.device_put(a, space), x)
+
+
+class _Run:
+  """The arrays of one update as they change, and the computation of one group's chunks.
+
+  Args:
+    inner, layout, spec: the inner transformation, the `StateLayout`, the `StreamSpec`.
+    grads, params: leaves (params None when not given); indexable by leaf.
+    shared: the shared leaves of the inner state.
+    arrays: ``(leaf, j) -> array`` of the state parts.
+    treedefs: per leaf, the tree structure of its state part.
+    n_rows: per leaf, the length of its leading axis.
+    extra_args: passed to every inner update.
+  """
+
+  def __init__(
+    self, inner, layout, spec, grads, params, shared, arrays, treedefs, n_rows, extra_args, apply
+  ):
+    self.inner, self.layout, self.spec = inner, layout, spec
+    self.grads, self.params, self.shared_in = grads, params, shared
+    self.arrays: dict[Key, Any] = dict(arrays)
+    self.treedefs, self.n_rows, self.extra_args = treedefs, n_rows, extra_args
+    self.apply = apply
+    self.new_shared = None
+    # Per leaf: the updates (or, with `apply`, the new params) written so far.
+    self.updates: dict[int, Any] = {}
+
+  def piece_rows(self, piece: Piece) -> tuple[int, int]:
+    return (0, self.n_rows[piece.leaf]) if piece.whole else (piece.start, piece.stop)
+
+  def fetch(self, k: int, fetched: dict[Key, Any], space) -> dict[tuple[int, int], Any]:
+    """Group k's offloaded arrays (NVMe ones from `fetched`), moved to `space` (None: not moved)."""
+    bufs = {}
+    for n, piece in enumerate(self.spec.units[k]):
+      i = piece.leaf
+      start, stop = self.piece_rows(piece)
+      for j in self.spec.offloaded(i):
+        if self.spec.array_tiers[i][j] is Tier.NVME:
+          x = fetched[(i, j)]
+        else:
+          x = self.arrays[(i, j)]
+          if not piece.whole and self.spec.dims[i][j]:
+            x = _slice(x, start, stop)
+        bufs[(n, j)] = x if space is None else _to(x, space)
+    return bufs
+
+  def send(self, k: int, bufs, space) -> dict[int, Any]:
+    """Writes group k's new offloaded arrays back (moved to `space` first unless None).
+
+    Returns the NVMe-tier parts, by leaf, for `NvmeTier.put`.
+    """
+    nvme_parts: dict[int, list[Any]] = {}
+    for n, piece in enumerate(self.spec.units[k]):
+      i = piece.leaf
+      for j in self.spec.offloaded(i):
+        x = bufs[(n, j)]
+        if self.spec.array_tiers[i][j] is Tier.NVME:
+          nvme_parts.setdefault(i, [None] * len(self.spec.array_tiers[i]))[j] = x
+          continue
+        x = x if space is None else _to(x, space)
+        if not piece.whole and self.spec.dims[i][j]:
+          x = _put_rows(self.arrays[(i, j)], x, piece.start)
+        self.arrays[(i, j)] = x
+    return {
+      i: self.treedefs[i].unflatten(
+        [a if a is not None else self.arrays[(i, j)] for j, a in enumerate(arrays)]
+      )
+      for i, arrays in nvme_parts.items()
+    }
+
+  def grad_source(self, i: int) -> jax.Array:
+    # A leaf's chunks read the gradient from the buffer their updates are written into (when that
+    # buffer started as the gradient), so that XLA can write them in place of the gradient.
+    u = self.updates.get(i)
+    if self.apply or u is None or jnp.result_type(u) != jnp.result_type(self.grads[i]):
+      return self.grads[i]
+    return u
+
+  def param_source(self, i: int) -> jax.Array:
+    # With `apply`, chunks read the params from the buffer the new params are written into.
+    return self.updates.get(i, self.params[i]) if self.apply else self.params[i]
+
+  def put_update(self, i: int, u: jax.Array, box: Box, whole: bool) -> None:
+    if self.apply:  # optax.apply_updates, on the chunk
+      p = self.params[i] if whole else _take(self.param_source(i), box, len(box))
+      u = jnp.asarray(p + u).astype(jnp.result_type(p))
+    if whole:
+      self.updates[i] = u
+      return
+    base = self.updates.get(i)
+    if base is None:
+      base = self.params[i] if self.apply else self.grads[i]
+      if jnp.result_type(base) != jnp.result_type(u):
+        base = jnp.zeros(jnp.shape(base), jnp.result_type(u))
+    self.updates[i] = _write(base, u, box, len(box))
+
+  def chunks(self, k: int) -> tuple[tuple[int, int], ...]:
+    """``(axis, count)`` of group k's pieces: the spec's when the updates are applied here, else
+    one chunk each.
+
+    Chunks make the update in place, but an update written chunk by chunk reaches
+    ``optax.apply_updates`` materialized, so XLA can no longer fuse ``p + u`` into the update (as it
+    does for plain optax, with a different rounding): only `update_and_apply` chunks.
+    """
+    if self.apply:
+      return self.spec.chunks[k]
+    return ((0, 1),) * len(self.spec.units[k])
+
+  def chunk_box(self, piece: Piece, axis: int, count: int, q: int) -> Box:
+    """The box of a piece's chunk q, in the leaf's coordinates."""
+    start, stop = self.piece_rows(piece)
+    if axis == 0:
+      return (_chunk_bounds(start, stop, count)[q],)
+    cols = jnp.shape(self.grads[piece.leaf])[1]
+    return ((start, stop), _chunk_bounds(0, cols, count)[q])
+
+  def compute(self, k: int, q: int, bufs: dict[tuple[int, int], Any]) -> None:
+    """Updates chunk q of every piece of group k that has more than q chunks, in one inner update."""
+    unit, chunks = self.spec.units[k], self.chunks(k)
+    members = [(n, p) for n, p in enumerate(unit) if q < chunks[n][1]]
+    grads, params, parts, boxes = {}, {}, {}, {}
+    for n, piece in members:
+      i = piece.leaf
+      box = self.chunk_box(piece, *chunks[n], q)
+      start = self.piece_rows(piece)[0]
+      full = all(a == 0 and b == d for (a, b), d in zip(box, jnp.shape(self.grads[i])))
+      boxes[n] = (box, full)
+      ndim = jnp.ndim(self.grads[i])
+      grads[i] = _take(self.grad_source(i), box, ndim)
+      if self.params is not None:
+        params[i] = _take(self.param_source(i), box, ndim)
+      views = []
+      for j, tier in enumerate(self.spec.array_tiers[i]):
+        depth = self.spec.dims[i][j]
+        if tier is Tier.DEVICE:
+          views.append(_take(self.arrays[(i, j)], box, depth))
+        else:
+          views.append(_take(bufs[(n, j)], _local(box, start), depth))
+      parts[i] = self.treedefs[i].unflatten(views)
+    group = sorted(parts)
+    n_leaves = self.layout.num_leaves
+    u, s = _inner_update(self.inner)(
+      self.layout.masked([grads.get(i) for i in range(n_leaves)], group),
+      self.layout.view(self.shared_in, parts, group),
+      None
+      if self.params is None
+      else self.layout.masked([params.get(i) for i in range(n_leaves)], group),
+      self.extra_args,
+    )
+    new_shared, new_parts = self.layout.unview(s, group)
+    if self.new_shared is None:
+      self.new_shared = new_shared
+    updates = dict(zip(group, self.layout.group_leaves(u, group)))
+    for n, piece in members:
+      i = piece.leaf
+      box, full = boxes[n]
+      start = self.piece_rows(piece)[0]
+      for j, new in enumerate(jax.tree.leaves(new_parts[i])):
+        depth = self.spec.dims[i][j]
+        if self.spec.array_tiers[i][j] is Tier.DEVICE:
+          if depth and not full:
+            self.arrays[(i, j)] = _write(self.arrays[(i, j)], new, box, depth)
+          elif q == 0:
+            self.arrays[(i, j)] = new
+        elif depth and chunks[n][1] > 1:
+          bufs[(n, j)] = _write(bufs[(n, j)], new, _local(box, start), depth)
+        elif q == 0:
+          bufs[(n, j)] = new
+      self.put_update(i, updates[i], box, full)
+
+
+def run(
+  inner,
+  layout,
+  spec: StreamSpec,
+  grads: Sequence[jax.Array],
+  shared: Sequence[Any],
+  per_leaf: Sequence[Any],
+  params: Sequence[jax.Array] | None,
+  extra_args: dict[str, Any],
+  *,
+  placement: str = "none",
+  nvme: Any = None,
+  generation: Any = None,
+  store: Any = None,
+  apply: bool = False,
+) -> tuple[list[Any], list[Any], list[Any], Any]:
+  """Runs the inner update group by group.
+
+  Args:
+    inner: the inner transformation (with extra-args support).
+    layout: the `StateLayout` of the parameter tree.
+    spec: groups, tiers and chunks.
+    grads: gradient leaves.
+    shared: the shared leaves of the inner state (`StateLayout.split`).
+    per_leaf: each leaf's state part (host-tier arrays in host memory; NVMe-tier placeholders).
+    params: param leaves, or None.
+    extra_args: passed to every inner update.
+    placement: ``"none"`` (no moves: the reference semantics), ``"device"`` (stream through the
+      device window) or ``"host"`` (update each group on the host, next to its state).
+    nvme: the `NvmeTier` holding the NVMe-tier arrays, or None.
+    generation: the NVMe generation the state names (traced), when `nvme` is given.
+    store: the NVMe store id the state names (traced): the update runs on that store (of `nvme`'s
+      layout), so a program traced before `close_nvme` serves a state of a later ``tx.init``.
+    apply: return new params (``optax.apply_updates`` of each chunk's updates, written into the
+      params' buffers) instead of updates.
+
+  Returns:
+    (update leaves, or new param leaves with `apply`; new shared leaves; new per-leaf parts; new
+    NVMe generation).
+  """
+  arrays, treedefs = {}, []
+  for i, part in enumerate(per_leaf):
+    flat, treedef = jax.tree.flatten(part)
+    treedefs.append(treedef)
+    arrays.update({(i, j): x for j, x in enumerate(flat)})
+  n_rows = [jnp.shape(g)[0] if jnp.ndim(g) else 1 for g in grads]
+  if apply and params is None:
+    raise ValueError("applying the updates needs the params")
+  r = _Run(
+    inner, layout, spec, list(grads), params, shared, arrays, treedefs, n_rows, extra_args, apply
+  )
+  token = nvme.begin_traced(generation, store=store) if nvme is not None else generation
+  if placement == "host":
+    token = _run_on_host(r, nvme, token)
+  else:
+    token = _run_streamed(r, nvme, token, on_device=placement == "device")
+  new_generation = nvme.commit_traced(token) if nvme is not None else generation
+  per_leaf = [
+    treedef.unflatten(
+      [
+        jnp.zeros((0,), r.arrays[(i, j)].dtype) if t is Tier.NVME else r.arrays[(i, j)]
+        for j, t in enumerate(spec.array_tiers[i])
+      ]
+    )
+    for i, treedef in enumerate(treedefs)
+  ]
+  new_shared = r.new_shared if r.new_shared is not None else shared
+  if placement != "none":
+    new_shared = _to(new_shared, DEVICE)
+  return [r.updates[i] for i in range(layout.num_leaves)], new_shared, per_leaf, new_generation
+
+
+def _run_streamed(r: _Run, nvme, token, on_device: bool):
+  units = r.spec.units
+  space_in = DEVICE if on_device else None
+  staged = on_device and len(units) > 1
+
+  def host_keys(k):
+    return {
+      (p.leaf, j)
+      for p in units[k]
+      for j in r.spec.offloaded(p.leaf)
+      if r.spec.array_tiers[p.leaf][j] is Tier.HOST
+    }
+
+  def fetch(k, token):
+    fetched = {}
+    if nvme is not None and k in nvme.groups:
+      fetched, token = nvme.fetch(k, token)
+    return r.fetch(k, fetched, space_in), token
+
+  def send(k, bufs, token):
+    nvme_parts = r.send(k, bufs, HOST if on_device else None)
+    if nvme_parts:
+      token = nvme.put(k, token, nvme_parts)
+    return token
+
+  bufs, token = fetch(0, token)
+  previous = None  # (k, bufs) of the group whose new state has not left yet
+  for k in range(len(units)):
+    if staged:
+      # Stage boundary: group k's state has arrived and group k-1 is computed.
+      sources = (
+        {key: r.arrays[key] for key in sorted(host_keys(k + 1))} if k + 1 < len(units) else {}
+      )
+      prev_bufs = previous[1] if previous else None
+      # The previous group's updates written slice by slice pass the boundary too: XLA would
+      # otherwise recompute them where they are used (optax.apply_updates, after the last group),
+      # keeping every group's results alive until then. A whole leaf's updates stay free to fuse
+      # into that use.
+      done = {}
+      if previous:
+        done = {
+          p.leaf: r.updates[p.leaf]
+          for p, (_, c) in zip(units[previous[0]], r.chunks(previous[0]))
+          if not (p.whole and c == 1)
+        }
+      bufs, prev_bufs, sources, done, token = lax.optimization_barrier(
+        (bufs, prev_bufs, sources, done, token)
+      )
+      r.arrays.update(sources)
+      r.updates.update(done)
+      if previous:
+        previous = (previous[0], prev_bufs)
+    if previous:
+      token = send(previous[0], previous[1], token)
+    phases = max(c for _, c in r.chunks(k))
+    # The next group's state arrives only once the previous group's has left (the window), and
+    # after the first half of the chunks, so that both kinds of copies overlap some compute. With
+    # one chunk, only one kind can: the arriving copies (the prefetch).
+    gate = (phases - 1) // 2 if phases > 1 else -1
+    if not (staged and k + 1 < len(units)):
+      gate = None
+    leaves = sorted({p.leaf for p in units[k]})
+    for q in range(-1, phases):
+      if q >= 0:
+        r.compute(k, q, bufs)
+      if not on_device or q == phases - 1 or (q == -1 and gate != -1):
+        continue
+      # One chunk after the other: without a barrier XLA sees that each chunk reads rows the
+      # previous one did not write, computes all chunks first and keeps all their results alive.
+      done = {i: r.updates[i] for i in leaves if i in r.updates}
+      keys = set()
+      if q == gate:
+        keys = host_keys(k + 1) | (host_keys(previous[0]) if previous else set())
+      gated = {key: r.arrays[key] for key in sorted(keys)}
+      bufs, done, gated, token = lax.optimization_barrier((bufs, done, gated, token))
+      r.updates.update(done)
+      r.arrays.update(gated)
+    previous = (k, bufs)
+    if k + 1 < len(units):
+      bufs, token = fetch(k + 1, token)
+  return send(previous[0], previous[1], token)
+
+
+def _run_on_host(r: _Run, nvme, token):
+  """Each group's update runs on the host next to its state; updates come back group by group.
+
+  A group's pieces are computed on host-local views (the piece's rows of gradients, params and
+  state, as whole leaves), in the same chunks as on the device, so both placements give the same
+  bits.
+  """
+  spec, n_leaves = r.spec, r.layout.num_leaves
+  for k, unit in enumerate(spec.units):
+    fetched = {}
+    if nvme is not None and k in nvme.groups:
+      fetched, token = nvme.fetch(k, token)
+    local_grads, local_params, local_arrays = {}, {}, {}
+    for piece in unit:
+      i = piece.leaf
+      start, stop = r.piece_rows(piece)
+      local_grads[i] = _to(_slice(r.grads[i], start, stop), HOST)
+      if r.params is not None:
+        local_params[i] = _to(_slice(r.params[i], start, stop), HOST)
+      for j, tier in enumerate(spec.array_tiers[i]):
+        x = fetched[(i, j)] if tier is Tier.NVME else r.arrays[(i, j)]
+        if spec.dims[i][j] and not piece.whole:
+          x = _slice(x, start, stop)
+        local_arrays[(i, j)] = x if tier is Tier.HOST else _to(x, HOST)
+    shared = _to(r.shared_in, HOST)
+
+    def group_update(grads, params, arrays, shared, k=k, unit=unit):
+      whole = tuple(Piece(p.leaf) for p in unit)
+      local_spec = dataclasses.replace(spec, units=(whole,), chunks=(r.chunks(k),))
+      local = _Run(
+        r.inner,
+        r.layout,
+        local_spec,
+        grads,
+        None if r.params is None else params,
+        shared,
+        arrays,
+        r.treedefs,
+        {i: jnp.shape(g)[0] if jnp.ndim(g) else 1 for i, g in grads.items()},
+        r.extra_args,
+        False,
+      )
+      bufs = local.fetch(0, arrays, None)
+      for q in range(max(c for _, c in r.chunks(k))):
+        local.compute(0, q, bufs)
+      local.send(0, bufs, None)
+      for n, p in enumerate(whole):  # NVMe arrays come back too (send leaves them to the caller)
+        for j in spec.offloaded(p.leaf):
+          local.arrays[(p.leaf, j)] = bufs[(n, j)]
+      return local.updates, {key: local.arrays[key] for key in arrays}, local.new_shared
+
+    updates, arrays, new_shared = host_compute.run_on_host(
+      group_update,
+      local_grads,
+      local_params if r.params is not None else None,
+      local_arrays,
+      shared,
+    )
+    if r.new_shared is None:
+      r.new_shared = new_shared
+    nvme_parts: dict[int, list[Any]] = {}
+    for piece in unit:
+      i = piece.leaf
+      start, stop = r.piece_rows(piece)
+      r.put_update(i, _to(updates[i], DEVICE), ((start, stop),), piece.whole)
+      for j, tier in enumerate(spec.array_tiers[i]):
+        x = arrays[(i, j)]
+        if tier is Tier.NVME:
+          nvme_parts.setdefault(i, [None] * len(spec.array_tiers[i]))[j] = x
+          continue
+        if tier is Tier.DEVICE:
+          x = _to(x, DEVICE)
+        if spec.dims[i][j] and not piece.whole:
+          x = _put_rows(r.arrays[(i, j)], x, start)
+        r.arrays[(i, j)] = x
+    if nvme_parts:
+      parts = {
+        i: r.treedefs[i].unflatten(
+          [a if a is not None else r.arrays[(i, j)] for j, a in enumerate(arrays_)]
+        )
+        for i, arrays_ in nvme_parts.items()
+      }
+      token = nvme.put(k, token, parts)
+  del n_leaves
+  return token
