@@ -16,6 +16,8 @@ from optax_offload._src.estimate import Bandwidths
 from optax_offload._src.estimate import Estimate
 from optax_offload._src.estimate import estimate
 from optax_offload._src.estimate import measure_bandwidths
+from optax_offload._src.gpu_program import GpuProgram
+from optax_offload._src.gpu_program import compile_for_gpu
 from optax_offload._src.grads import value_and_grad_to_host
 from optax_offload._src.nvme import NvmeCorruptionError
 from optax_offload._src.nvme import NvmeError
@@ -44,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = (
   "Bandwidths",
   "Estimate",
+  "GpuProgram",
   "LeafInfo",
   "NvmeCorruptionError",
   "NvmeError",
@@ -57,6 +60,7 @@ __all__ = (
   "Tier",
   "abstract_state",
   "close_nvme",
+  "compile_for_gpu",
   "describe_plan",
   "estimate",
   "footprint",

@@ -153,3 +153,20 @@ def test_the_24gb_target_compiles():
   )
   assert program.target == "h100_24gb"
   assert program.memory.temp <= 1.10 * 16 * MiB + MiB
+
+
+def test_a_stacked_llama_step_keeps_the_state_off_the_device():
+  # A small Llama-style decoder (layers stacked under lax.scan, remat, bf16 params), the training
+  # step compiled for the 24 GiB target: with offload_state the device holds bf16 params and grads
+  # (4 B/param) plus the window and activations; plain optax with fp32 moments holds 10 B/param more.
+  from benchmarks import gpu_memory
+  from benchmarks import llama
+
+  cfg = llama.Config(d=512, layers=8, ffn=1536, heads=8, vocab=8192)
+  window = 16 * MiB
+  plain = gpu_memory.compile_step(cfg, "plain_bf16", "h100_24gb", None, seq=256).memory
+  off = gpu_memory.compile_step(cfg, "offload_state", "h100_24gb", window, seq=256)
+  weights_and_grads = 4 * cfg.params
+  assert off.memory.host >= 0.99 * 12 * cfg.params  # fp32 master, mu, nu in pinned host memory
+  assert off.memory.device <= weights_and_grads + 1.1 * window + 0.25 * weights_and_grads
+  assert plain.device - off.memory.device >= 5 * cfg.params

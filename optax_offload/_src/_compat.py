@@ -6,6 +6,7 @@ release moves one of them, this is the only file to change.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from typing import Any
 
@@ -36,6 +37,31 @@ def check_gpu_compile_support() -> None:
       f"driver or nvidia-* wheels needed): pip install 'jax-cuda12-plugin=={jax.__version__}' "
       f"'jax-cuda12-pjrt=={jax.__version__}' (or pip install 'optax-offload[gpu-compile]')."
     )
+
+
+@contextlib.contextmanager
+def lowering_backend(client: Any):
+  """Lowers with `client` as the backend of a CUDA lowering done on a machine without a GPU.
+
+  Lowering a host callback (``io_callback``, the NVMe tier's) asks the module's backend for its
+  platform; lowering for CUDA from CPU arrays has the CPU client there and fails. The callback's
+  lowering only needs the platform, so a compile-only client of the target answers. Replaces
+  jax 0.10.2's private ``mlir.ModuleContext.get_backend`` for the duration.
+  """
+  from jax._src.interpreters import mlir
+
+  original = mlir.ModuleContext.get_backend
+
+  def get_backend(self, optional: bool = False):
+    if tuple(self.platforms) == ("cuda",):
+      return client
+    return original(self, optional)
+
+  mlir.ModuleContext.get_backend = get_backend
+  try:
+    yield
+  finally:
+    mlir.ModuleContext.get_backend = original
 
 
 def compile_for_topology(lowered: jax.stages.Lowered, device: Any, env_overrides=()) -> Any:

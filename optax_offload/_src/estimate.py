@@ -24,6 +24,7 @@ import optax
 
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import plan as plan_lib
+from optax_offload._src import separable
 from optax_offload._src.plan import format_bytes
 from optax_offload._src.plan import parse_bytes
 
@@ -460,6 +461,9 @@ def _report(e: Estimate) -> str:
       f"leaves: {counts['device']} on device (< min_size), {counts['host']} host, "
       f"{counts['nvme']} nvme; {len(e.plan.groups)} groups"
     )
+  warning = plan_lib.pinned_pool_warning(e.host_bytes)
+  if warning:
+    lines.append(f"on GPU (one device): {warning}")
   lines.append("")
   checks = []
   if e.device_memory is None:
@@ -748,12 +752,17 @@ def _estimate_tree(tree: Any, tx, master, min_size: int, common) -> Estimate:
   except TypeError as e:
     raise ValueError(f"Cannot estimate this optimizer's state per leaf: {e}") from e
   small = sum(_nbytes(x) for x in jax.tree.leaves(shared))
+  # Which leaves `offload` may stream in row slices (the same probe it runs).
+  dims = [separable.shared_dims(part, aval.shape) for part, aval in zip(per_leaf, inner_avals)]
+  rows = separable.splittable(
+    optax.with_extra_args_support(tx), inner_avals, per_leaf, dims, min_size, axis=0
+  )
   leaves = []
-  for path, size, part, aval, m in zip(paths, sizes, per_leaf, inner_avals, has_master):
+  for path, size, part, aval, m, n in zip(paths, sizes, per_leaf, inner_avals, has_master, rows):
     arrays = jax.tree.leaves(part) + ([aval] if m else [])
     offloadable = sum(_nbytes(x) for x in arrays if math.prod(x.shape) >= min_size)
     small += sum(_nbytes(x) for x in arrays if math.prod(x.shape) < min_size)
-    leaves.append(plan_lib.LeafInfo(path, size, offloadable))
+    leaves.append(plan_lib.LeafInfo(path, size, offloadable, rows=n))
   kwargs = dict(min_size=min_size, window_bytes=common["window_bytes"])
   try:
     plan = plan_lib.make_plan(

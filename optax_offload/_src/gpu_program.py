@@ -279,7 +279,9 @@ def compile_for_gpu(
   _compat.check_gpu_compile_support()
   device = _topology_device(target)
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn, donate_argnums=donate_argnums)
-  lowered = jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+  traced = jitted.trace(*args, **kwargs)
+  with _compat.lowering_backend(device.client):
+    lowered = traced.lower(lowering_platforms=("cuda",))
   overrides = list((xla_flags or {}).items())
   t0 = time.perf_counter()
   executable = _compat.compile_for_topology(lowered, device, overrides)

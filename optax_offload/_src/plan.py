@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 from collections.abc import Sequence
 
@@ -34,6 +35,41 @@ _UNITS = {
   "T": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+GPU_PINNED_POOL_DEFAULT = 64 * 2**30
+"""JAX's GPU client caps its pinned host pool at 64 GiB per device unless
+``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` is set."""
+
+
+def gpu_pinned_pool() -> int:
+  """The pinned host pool per GPU: ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` GB, or 64 GiB by default."""
+  value = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+  try:
+    return int(float(value) * 2**30) if value else GPU_PINNED_POOL_DEFAULT
+  except ValueError:
+    return GPU_PINNED_POOL_DEFAULT
+
+
+def pinned_pool_warning(host_bytes_per_device: int) -> str | None:
+  """A warning when a GPU's pinned host pool cannot hold its share of the host tier, else None.
+
+  Examples:
+    >>> pinned_pool_warning(10 * 2**30) is None
+    True
+    >>> print(pinned_pool_warning(100 * 2**30)[:60])
+    The host tier needs 100.00 GiB of pinned host memory per GPU
+  """
+  pool = gpu_pinned_pool()
+  if host_bytes_per_device <= pool:
+    return None
+  gb = -(-host_bytes_per_device // 2**30)
+  return (
+    f"The host tier needs {format_bytes(host_bytes_per_device)} of pinned host memory per GPU, "
+    f"more than JAX's GPU client allows ({format_bytes(pool)}): set "
+    f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={gb} (or more) before JAX starts, or lower host_limit so "
+    "that the rest goes to NVMe."
+  )
 
 
 class Tier(enum.Enum):
@@ -240,7 +276,7 @@ def make_plan(
     >>> [t.value for t in p.tiers], p.groups
     (['device', 'host', 'nvme'], ((0, 1), (2,)))
     >>> stacked = [LeafInfo("layers", 32 * 1024, 32 * 8192, rows=32)]
-    >>> [(u[0].start, u[0].stop) for u in make_plan(stacked, min_size=1, window_bytes=65536).units]
+    >>> [(u[0].start, u[0].stop) for u in make_plan(stacked, min_size=1, window_bytes=73728).units]
     [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 24), (24, 28), (28, 32)]
   """
   tiers = [Tier.DEVICE if leaf.size < min_size else Tier.HOST for leaf in leaves]

@@ -479,9 +479,12 @@ def _run_on_host(r: _Run, nvme, token):
       if r.params is not None:
         local_params[i] = _to(_slice(r.params[i], start, stop), HOST)
       for j, tier in enumerate(spec.array_tiers[i]):
-        x = fetched[(i, j)] if tier is Tier.NVME else r.arrays[(i, j)]
-        if spec.dims[i][j] and not piece.whole:
-          x = _slice(x, start, stop)
+        if tier is Tier.NVME:  # the store hands over the piece's rows
+          x = fetched[(i, j)]
+        else:
+          x = r.arrays[(i, j)]
+          if spec.dims[i][j] and not piece.whole:
+            x = _slice(x, start, stop)
         local_arrays[(i, j)] = x if tier is Tier.HOST else _to(x, HOST)
     shared = _to(r.shared_in, HOST)
 

@@ -135,7 +135,7 @@ def _unsharded_axes(sharding: Any) -> int:
   return 0
 
 
-CHUNKS = 8
+CHUNKS = 4
 """Row chunks of a group's update: at least two, so that every copy can overlap an update (XLA:GPU
 keeps two copies in flight) and the update is written in place; more make the chunk's own results
 (temporaries outside the window) smaller."""
@@ -219,7 +219,7 @@ def make_setup(
   if any(plan_lib.Tier.NVME in ts for ts in array_tiers):
     tier = nvme_tier.NvmeTier(
       nvme_tier.process_directory(nvme_dir),
-      the_plan.groups,
+      the_plan.units,
       array_tiers,
       per_leaf,
       [tuple(a.shape) for a in avals],
@@ -228,6 +228,11 @@ def make_setup(
     )
     tier.layout = layout
   logger.info("offload plan:\n%s", plan_lib.describe_plan(the_plan, leaves))
+  if jax.default_backend() == "gpu":
+    devices = max(1, len(jax.local_devices()))
+    warning = plan_lib.pinned_pool_warning(the_plan.bytes_per_tier["host"] // devices)
+    if warning:
+      logger.warning("offload: %s", warning)
   return _Setup(
     tuple(paths),
     tuple(tuple(a.shape) for a in avals),
@@ -743,15 +748,32 @@ def _memory_space(x: Any):
 
 
 def _init_nvme(inner, setup: _Setup, generation: int, build_params, concrete) -> None:
-  """Writes the initial NVMe-tier state group by group, so it never sits whole in memory."""
+  """Writes the initial NVMe-tier state group by group, so it never sits whole in memory.
+
+  A row slice's state is the inner ``init`` of the slice's rows of the params (a leaf is sliced
+  only when its update is row-separable, which holds for its init: per-element state such as
+  moments or master copies), so a huge leaf's state is never built whole either.
+  """
   layout, tier = setup.layout, setup.nvme
   for k in tier.groups:
-    group = [i for i in setup.plan.groups[k] if plan_lib.Tier.NVME in setup.array_tiers[i]]
+    pieces = [p for p in setup.plan.units[k] if plan_lib.Tier.NVME in setup.array_tiers[p.leaf]]
+    group = [p.leaf for p in pieces]
 
-    def group_init(*c, group=group):
-      params_tree = build_params(c)
-      masked = layout.masked(layout.params_treedef.flatten_up_to(params_tree), group)
-      return layout.unview(inner.init(masked), group)[1]
+    def group_init(*c, pieces=pieces, group=group):
+      leaves = layout.params_treedef.flatten_up_to(build_params(c))
+      for p in pieces:
+        if not p.whole:
+          leaves[p.leaf] = jax.lax.slice_in_dim(leaves[p.leaf], p.start, p.stop)
+      parts = layout.unview(inner.init(layout.masked(leaves, group)), group)[1]
+      # Only the NVMe arrays are written: the others are left out of the program.
+      return {
+        i: _map_arrays(
+          part,
+          setup.array_tiers[i],
+          lambda t, j, x: x if t is plan_lib.Tier.NVME else jnp.zeros((0,), x.dtype),
+        )
+        for i, part in parts.items()
+      }
 
     parts = jax.eval_shape(group_init, *concrete)
     out_shardings = {

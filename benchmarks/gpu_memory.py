@@ -1,0 +1,172 @@
+"""GPU memory headline, from compiled programs: how large a Llama-style model trains on each card.
+
+Compiles one training step (forward + backward under remat, AdamW) of a Llama-style decoder
+(`benchmarks.llama`: layers stacked under `lax.scan`, batch 1 x 2048) for an H100 80 GB and for the
+same chip with 24 GiB, without a GPU (`optax_offload`'s compile-for-GPU harness), and reads device
+and host bytes from XLA's buffer assignment. Variants:
+
+* ``plain_fp32``: fp32 params, ``optax.adamw`` (16 B/param on the device);
+* ``plain_bf16``: bf16 params, ``optax.adamw(mu_dtype=fp32)`` (no master copy);
+* ``offload_state``: bf16 params, ``oo.offload(optax.adamw, master_dtype=fp32)`` with
+  ``oo.update_and_apply``: fp32 master weights and moments in pinned host memory, streamed through
+  a window of `--window` (default 10% of the card).
+
+"Fits" means device bytes <= `--usable` x the card's memory (XLA preallocates 75% unless
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise; set it to 0.95 to use what this assumes).
+``--largest`` finds the largest model of the 13B shape (d 5120, ffn 13824) that fits each card:
+device bytes are linear in the number of layers, so it compiles two depths, solves for the most
+layers under the limit and compiles that depth to check.
+
+    python benchmarks/gpu_memory.py --json bench_out/gpu_memory.json          # 1B, 7B, 13B
+    python benchmarks/gpu_memory.py --models 1B --targets h100_24gb --variants offload_state
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import optax_offload as oo  # noqa: E402
+from benchmarks import llama  # noqa: E402
+from optax_offload._src import gpu_program  # noqa: E402
+
+VARIANTS = ("plain_fp32", "plain_bf16", "offload_state")
+GiB = 1 << 30
+_MEMORY = {"h100_80gb": 84978434048, "h100_24gb": 24 * GiB}
+
+
+def compile_step(cfg: llama.Config, variant: str, target: str, window: int | None, seq: int = 2048):
+  """The compiled training step of `cfg` in `variant` for `target`."""
+  tokens = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
+  if variant == "plain_fp32":
+    params, tx = llama.abstract_params(cfg, jnp.float32), optax.adamw(1e-4)
+    state = jax.eval_shape(tx.init, params)
+  elif variant == "plain_bf16":
+    params = llama.abstract_params(cfg, jnp.bfloat16)
+    tx = optax.adamw(1e-4, mu_dtype=jnp.float32)
+    state = jax.eval_shape(tx.init, params)
+  elif variant == "offload_state":
+    params = llama.abstract_params(cfg, jnp.bfloat16)
+    tx = oo.offload(optax.adamw(1e-4), master_dtype=jnp.float32, window_bytes=window)
+    state = oo.abstract_state(tx, params)
+  else:
+    raise ValueError(f"unknown variant {variant!r}: one of {VARIANTS}")
+
+  def step(params, state, tokens):
+    loss, grads = jax.value_and_grad(lambda p: llama.loss_fn(cfg, p, tokens))(params)
+    if variant == "offload_state":
+      params, state = oo.update_and_apply(tx, grads, state, params)
+    else:
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    return params, state, loss
+
+  return gpu_program.compile_for_gpu(step, params, state, tokens, donate_argnums=(0, 1), target=target)
+
+
+def row(name: str, cfg: llama.Config, variant: str, target: str, window, usable: float) -> dict:
+  t0 = time.perf_counter()
+  program = compile_step(cfg, variant, target, window)
+  memory = program.memory
+  out = {
+    "model": name,
+    "params": cfg.params,
+    "layers": cfg.layers,
+    "target": target,
+    "variant": variant,
+    "device_bytes": memory.device,
+    "host_bytes": memory.host,
+    "fits": memory.device <= usable * _MEMORY[target],
+    "device_bytes_per_param": memory.device / cfg.params,
+    "window_bytes": window if variant.startswith("offload") else None,
+    "compile_s": time.perf_counter() - t0,
+  }
+  if variant.startswith("offload"):
+    for direction in ("to_device", "to_host"):
+      hit, total = program.schedule.overlap(direction)
+      out[f"copies_{direction}"] = total
+      out[f"copies_{direction}_overlapped"] = hit
+  print(
+    f"{name:>6} {variant:14s} {target:10s} device {memory.device / GiB:7.2f} GiB"
+    f" ({out['device_bytes_per_param']:.2f} B/param), host {memory.host / GiB:7.2f} GiB,"
+    f" fits {out['fits']!s:5s} compile {out['compile_s']:.0f}s",
+    flush=True,
+  )
+  return out
+
+
+def largest(variant: str, target: str, window, usable: float, base: llama.Config) -> dict:
+  """The deepest model of `base`'s width that fits `target`, by two compiles and a check."""
+  limit = usable * _MEMORY[target]
+  a, b = 4, 8
+  da = compile_step(base.with_layers(a), variant, target, window).memory.device
+  db = compile_step(base.with_layers(b), variant, target, window).memory.device
+  per_layer = (db - da) / (b - a)
+  layers = int((limit - (da - a * per_layer)) // per_layer)
+  check = None
+  if layers >= 1:
+    check = row(f"L{layers}", base.with_layers(layers), variant, target, window, usable)
+    while not check["fits"] and layers > 1:  # the schedule may change near the limit
+      layers -= 1
+      check = row(f"L{layers}", base.with_layers(layers), variant, target, window, usable)
+  cfg = base.with_layers(max(layers, 0))
+  return {
+    "target": target,
+    "variant": variant,
+    "largest_layers": layers,
+    "largest_params": cfg.params if layers >= 1 else 0,
+    "bytes_per_layer": per_layer,
+    "checked": check,
+  }
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", default="1B,7B,13B")
+  parser.add_argument("--targets", default="h100_80gb,h100_24gb")
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--window", default=None, help="offload window (default: 10%% of the card)")
+  parser.add_argument("--usable", type=float, default=0.95, help="usable fraction of the card")
+  parser.add_argument("--largest", action="store_true", help="also find the largest model per card")
+  parser.add_argument("--json", default=None, help="write the rows here (one object per row)")
+  args = parser.parse_args(argv)
+
+  rows, largest_rows = [], []
+  for target in args.targets.split(","):
+    window = oo.parse_bytes(args.window, "--window") or int(0.1 * _MEMORY[target])
+    for name in args.models.split(","):
+      for variant in args.variants.split(","):
+        rows.append(row(name, llama.CONFIGS[name], variant, target, window, args.usable))
+    if args.largest:
+      for variant in args.variants.split(","):
+        found = largest(variant, target, window, args.usable, llama.CONFIGS["13B"])
+        largest_rows.append(found)
+        print(
+          f"largest {variant} on {target}: {found['largest_params'] / 1e9:.1f}B params "
+          f"({found['largest_layers']} layers of the 13B shape)",
+          flush=True,
+        )
+  result = {"benchmark": "gpu_memory", "jax": jax.__version__, "rows": rows, "largest": largest_rows}
+  if args.json:
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+      for r in rows:
+        f.write(json.dumps(r) + "\n")
+    with open(os.path.splitext(args.json)[0] + "_largest.json", "w") as f:
+      json.dump(largest_rows, f, indent=2)
+  return result
+
+
+if __name__ == "__main__":
+  main()
