@@ -170,3 +170,23 @@ def test_a_stacked_llama_step_keeps_the_state_off_the_device():
   assert off.memory.host >= 0.99 * 12 * cfg.params  # fp32 master, mu, nu in pinned host memory
   assert off.memory.device <= weights_and_grads + 1.1 * window + 0.25 * weights_and_grads
   assert plain.device - off.memory.device >= 5 * cfg.params
+
+
+def test_host_update_moves_only_gradients_params_and_updates():
+  # update_on="host" with bf16 params (one a (d, vocab) head, which failed XLA:GPU's layout
+  # assignment before) and fp32 master weights: the state never crosses the link.
+  params = {
+    "embed": jax.ShapeDtypeStruct((8192, 512), jnp.bfloat16),
+    "head": jax.ShapeDtypeStruct((512, 8192), jnp.bfloat16),
+    "w": jax.ShapeDtypeStruct((512, 512), jnp.bfloat16),
+  }
+  tx = oo.offload(
+    optax.adamw(1e-3), window_bytes=8 * MiB, update_on="host", master_dtype=jnp.float32
+  )
+  program = compile_step(tx, params, apply=False)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  schedule = program.schedule
+  assert sum(c.nbytes for c in schedule.copies if c.direction == "to_host") == 2 * 2 * n
+  assert sum(c.nbytes for c in schedule.copies if c.direction == "to_device") == 4 * n
+  assert schedule.host_compute
+  assert program.memory.host_argument >= 12 * n * 0.99  # master, mu, nu stay in host memory

@@ -28,6 +28,7 @@ updates come back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -472,6 +473,7 @@ def _run_on_host(r: _Run, nvme, token):
     if nvme is not None and k in nvme.groups:
       fetched, token = nvme.fetch(k, token)
     local_grads, local_params, local_arrays = {}, {}, {}
+    in_place: dict[Key, tuple[int, int]] = {}  # host arrays of row slices: (start, stop)
     for piece in unit:
       i = piece.leaf
       start, stop = r.piece_rows(piece)
@@ -484,13 +486,19 @@ def _run_on_host(r: _Run, nvme, token):
         else:
           x = r.arrays[(i, j)]
           if spec.dims[i][j] and not piece.whole:
-            x = _slice(x, start, stop)
+            if tier is Tier.HOST:  # sliced and written back inside the host computation
+              in_place[(i, j)] = (start, stop)
+            else:
+              x = _slice(x, start, stop)
         local_arrays[(i, j)] = x if tier is Tier.HOST else _to(x, HOST)
     shared = _to(r.shared_in, HOST)
 
-    def group_update(grads, params, arrays, shared, k=k, unit=unit):
+    def group_update(grads, params, arrays, shared, *, k, unit, in_place):
       whole = tuple(Piece(p.leaf) for p in unit)
       local_spec = dataclasses.replace(spec, units=(whole,), chunks=(r.chunks(k),))
+      views = {
+        key: _slice(x, *in_place[key]) if key in in_place else x for key, x in arrays.items()
+      }
       local = _Run(
         r.inner,
         r.layout,
@@ -498,23 +506,29 @@ def _run_on_host(r: _Run, nvme, token):
         grads,
         None if r.params is None else params,
         shared,
-        arrays,
+        views,
         r.treedefs,
         {i: jnp.shape(g)[0] if jnp.ndim(g) else 1 for i, g in grads.items()},
         r.extra_args,
         False,
       )
-      bufs = local.fetch(0, arrays, None)
+      bufs = local.fetch(0, views, None)
       for q in range(max(c for _, c in r.chunks(k))):
         local.compute(0, q, bufs)
       local.send(0, bufs, None)
       for n, p in enumerate(whole):  # NVMe arrays come back too (send leaves them to the caller)
         for j in spec.offloaded(p.leaf):
           local.arrays[(p.leaf, j)] = bufs[(n, j)]
-      return local.updates, {key: local.arrays[key] for key in arrays}, local.new_shared
+      out = {
+        key: _put_rows(arrays[key], local.arrays[key], in_place[key][0])
+        if key in in_place
+        else local.arrays[key]
+        for key in arrays
+      }
+      return local.updates, out, local.new_shared
 
     updates, arrays, new_shared = host_compute.run_on_host(
-      group_update,
+      functools.partial(group_update, k=k, unit=unit, in_place=in_place),
       local_grads,
       local_params if r.params is not None else None,
       local_arrays,
@@ -533,9 +547,11 @@ def _run_on_host(r: _Run, nvme, token):
           nvme_parts.setdefault(i, [None] * len(spec.array_tiers[i]))[j] = x
           continue
         if tier is Tier.DEVICE:
-          x = _to(x, DEVICE)
-        if spec.dims[i][j] and not piece.whole:
-          x = _put_rows(r.arrays[(i, j)], x, start)
+          x = (
+            _put_rows(r.arrays[(i, j)], _to(x, DEVICE), start)
+            if not piece.whole
+            else _to(x, DEVICE)
+          )
         r.arrays[(i, j)] = x
     if nvme_parts:
       parts = {
