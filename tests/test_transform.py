@@ -407,3 +407,24 @@ def test_host_limit_too_small_without_nvme(params):
   tx = oo.offload(optax.adam(1e-2), host_limit="100KiB")
   with pytest.raises(ValueError, match="bytes are missing.*nvme_dir"):
     tx.init(params)
+
+
+@pytest.mark.parametrize("apply", [False, True], ids=["update", "update_and_apply"])
+def test_a_jitted_step_compiles_once_with_committed_params(apply):
+  # Host-memory arrays are always committed, so a step's outputs are: params that start
+  # uncommitted come back committed and the second step would compile again (docs/gpu.md). With
+  # committed params, one compile, as with plain optax.
+  params = jax.device_put(make_params(), jax.devices()[0])
+  tx = oo.offload(optax.adamw(1e-2), window_bytes=SMALL_WINDOW)
+
+  def step(p, s, g):
+    if apply:
+      return oo.update_and_apply(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  state = tx.init(params)
+  for t in range(3):
+    params, state = step(params, state, make_grads(make_params(), t))
+  assert step._cache_size() == 1
