@@ -474,12 +474,17 @@ def _run_on_host(r: _Run, nvme, token):
       fetched, token = nvme.fetch(k, token)
     local_grads, local_params, local_arrays = {}, {}, {}
     in_place: dict[Key, tuple[int, int]] = {}  # host arrays of row slices: (start, stop)
+    shapes: dict[int, tuple[int, ...]] = {}  # each piece's shape
     for piece in unit:
       i = piece.leaf
       start, stop = r.piece_rows(piece)
-      local_grads[i] = _to(_slice(r.grads[i], start, stop), HOST)
+      # Gradients, params and updates cross as flat arrays: a 2-D array's device layout (a
+      # transposed one, from a matmul's backward) need not match what XLA:GPU's host call expects,
+      # and its layout assignment fails ("async shape ... to match"); a 1-D array has one layout.
+      local_grads[i] = _to(_slice(r.grads[i], start, stop).reshape(-1), HOST)
+      shapes[i] = _slice(r.grads[i], start, stop).shape
       if r.params is not None:
-        local_params[i] = _to(_slice(r.params[i], start, stop), HOST)
+        local_params[i] = _to(_slice(r.params[i], start, stop).reshape(-1), HOST)
       for j, tier in enumerate(spec.array_tiers[i]):
         if tier is Tier.NVME:  # the store hands over the piece's rows
           x = fetched[(i, j)]
@@ -493,7 +498,10 @@ def _run_on_host(r: _Run, nvme, token):
         local_arrays[(i, j)] = x if tier is Tier.HOST else _to(x, HOST)
     shared = _to(r.shared_in, HOST)
 
-    def group_update(grads, params, arrays, shared, *, k, unit, in_place):
+    def group_update(grads, params, arrays, shared, *, k, unit, in_place, shapes):
+      grads = {i: g.reshape(shapes[i]) for i, g in grads.items()}
+      if params is not None:
+        params = {i: p.reshape(shapes[i]) for i, p in params.items()}
       whole = tuple(Piece(p.leaf) for p in unit)
       local_spec = dataclasses.replace(spec, units=(whole,), chunks=(r.chunks(k),))
       views = {
@@ -525,10 +533,11 @@ def _run_on_host(r: _Run, nvme, token):
         else local.arrays[key]
         for key in arrays
       }
-      return local.updates, out, local.new_shared
+      flat = {i: u.reshape(-1) for i, u in local.updates.items()}
+      return flat, out, local.new_shared
 
     updates, arrays, new_shared = host_compute.run_on_host(
-      functools.partial(group_update, k=k, unit=unit, in_place=in_place),
+      functools.partial(group_update, k=k, unit=unit, in_place=in_place, shapes=shapes),
       local_grads,
       local_params if r.params is not None else None,
       local_arrays,
@@ -540,7 +549,8 @@ def _run_on_host(r: _Run, nvme, token):
     for piece in unit:
       i = piece.leaf
       start, stop = r.piece_rows(piece)
-      r.put_update(i, _to(updates[i], DEVICE), ((start, stop),), piece.whole)
+      u = _to(updates[i], DEVICE).reshape(shapes[i])
+      r.put_update(i, u, ((start, stop),), piece.whole)
       for j, tier in enumerate(spec.array_tiers[i]):
         x = arrays[(i, j)]
         if tier is Tier.NVME:
