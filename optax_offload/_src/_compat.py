@@ -11,6 +11,26 @@ import importlib.util
 from typing import Any
 
 import jax
+from jax.extend.core import ClosedJaxpr
+from jax.extend.core import Literal
+from optax.tree_utils._state_utils import _ParamsPlaceholder as ParamsPlaceholder
+
+# --- optax (checked with 0.2.8) ------------------------------------------------------------------
+# `ParamsPlaceholder`: what `optax.tree_utils.tree_map_params` passes to `init` to learn where a
+# state holds parameter-shaped subtrees (optax 0.2.x: private, in `optax.tree_utils._state_utils`).
+
+try:  # optax 0.2.x keeps the message of its "params are required" error in `optax._src.base`.
+  from optax._src.base import NO_PARAMS_MSG
+except ImportError:  # pragma: no cover - a later optax moved it
+  NO_PARAMS_MSG = "You are using a transformation that requires the current value of parameters"
+
+# --- jax (checked with 0.10.2) --------------------------------------------------------------------
+# `ClosedJaxpr`, `Literal`: jaxpr types for replaying a function's equations (host_compute); public
+# in `jax.extend.core` since jax 0.4.3x.
+
+Tracer = jax.core.Tracer
+
+__all__ = ["ClosedJaxpr", "Literal", "NO_PARAMS_MSG", "ParamsPlaceholder", "Tracer"]
 
 SUPPORTED_JAX = ((0, 10, 2), (0, 11, 0))
 """Range of jax versions whose private entry points below were checked: [low, high)."""

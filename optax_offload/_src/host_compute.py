@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax._src import core
 from jax.experimental.compute_on import compute_on
+
+from optax_offload._src import _compat
 
 HOST = jax.memory.Space.Host
 
@@ -26,16 +27,18 @@ _INLINE = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom
 
 def _space(x: Any):
   return (
-    getattr(jax.typeof(x), "memory_space", None) if isinstance(x, jax.Array | core.Tracer) else None
+    getattr(jax.typeof(x), "memory_space", None)
+    if isinstance(x, jax.Array | _compat.Tracer)
+    else None
   )
 
 
-def _replay(closed: core.ClosedJaxpr, *args: Any) -> list[Any]:
+def _replay(closed: _compat.ClosedJaxpr, *args: Any) -> list[Any]:
   jaxpr = closed.jaxpr
   env: dict[Any, Any] = {}
 
   def read(v):
-    return v.val if isinstance(v, core.Literal) else env[v]
+    return v.val if isinstance(v, _compat.Literal) else env[v]
 
   for v, c in zip(jaxpr.constvars, closed.consts):
     env[v] = c
@@ -45,7 +48,7 @@ def _replay(closed: core.ClosedJaxpr, *args: Any) -> list[Any]:
     invals = [read(v) for v in eqn.invars]
     body = None
     if eqn.primitive.name in _INLINE:
-      body = next((p for p in eqn.params.values() if isinstance(p, core.ClosedJaxpr)), None)
+      body = next((p for p in eqn.params.values() if isinstance(p, _compat.ClosedJaxpr)), None)
     if body is not None:
       outvals = _replay(body, *invals)
     else:

@@ -14,19 +14,20 @@ from typing import Any
 
 import jax
 import optax
-from optax.tree_utils._state_utils import _ParamsPlaceholder
+
+from optax_offload._src import _compat
 
 PerLeaf = tuple[Any, ...]
 """The state parts of one parameter leaf: one entry per parameter-shaped slot of the state."""
 
 
 def is_placeholder(x: Any) -> bool:
-  return isinstance(x, _ParamsPlaceholder)
+  return isinstance(x, _compat.ParamsPlaceholder)
 
 
 def placeholder() -> Any:
   """The object `optax.tree_utils.tree_map_params` passes to ``init``."""
-  return _ParamsPlaceholder()
+  return _compat.ParamsPlaceholder()
 
 
 class StateLayout:

@@ -14,7 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from optax._src.base import NO_PARAMS_MSG
+
+from optax_offload._src import _compat
 
 
 class MasterState(NamedTuple):
@@ -79,7 +80,7 @@ def with_master_weights(
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
-      raise ValueError(NO_PARAMS_MSG)
+      raise ValueError(_compat.NO_PARAMS_MSG)
     grads = jax.tree.map(
       lambda p, g, m: g if m is None else jnp.asarray(g).astype(master_dtype),
       params,

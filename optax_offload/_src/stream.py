@@ -36,8 +36,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
 
+from optax_offload._src import _compat
 from optax_offload._src import host_compute
 from optax_offload._src.plan import Piece
 from optax_offload._src.plan import Tier
@@ -122,7 +122,7 @@ def _inner_update(inner):
   the same shapes are traced once (XLA inlines the call: the program is the same)."""
 
   def call(grads, state, params, extra_args):
-    if not any(isinstance(x, core.Tracer) for x in jax.tree.leaves(grads)):
+    if not any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(grads)):
       return inner.update(grads, state, params, **extra_args)
     update = inner.update
     if update not in _TRACED_UPDATES:

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax._src.base import NO_PARAMS_MSG
 
+from optax_offload._src import _compat
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
 from optax_offload._src import nvme_tier
@@ -492,9 +492,9 @@ def offload(
         apply=apply,
       )
     except ValueError as e:
-      if NO_PARAMS_MSG in str(e) and params is None:
+      if _compat.NO_PARAMS_MSG in str(e) and params is None:
         raise ValueError(
-          f"{NO_PARAMS_MSG} (offload: the inner transformation needs params; call "
+          f"{_compat.NO_PARAMS_MSG} (offload: the inner transformation needs params; call "
           "tx.update(grads, state, params).)"
         ) from e
       raise
