@@ -243,7 +243,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--group-mb", type=int, default=256, help="most state bytes (MiB) per group")
   parser.add_argument("--steps", type=int, default=2, help="timed steps after the compiling one")
   parser.add_argument("--cache", choices=("fadvise", "drop", "none"), default="fadvise")
-  parser.add_argument("--dir", default="/work/bench_nvme_scale", help="on the disk under test")
+  parser.add_argument("--dir", default="bench_out/nvme_scale_data", help="on the disk under test")
   parser.add_argument("--keep", action="store_true", help="keep the store afterwards")
   parser.add_argument("--dry-run", action="store_true", help="print the plan and the checks only")
   parser.add_argument("--out", default="bench_out/nvme_scale.json")

@@ -536,7 +536,7 @@ def main(argv=None) -> dict:
   )
   parser.add_argument("--threads", type=int, default=4, help="raw disk: requests in flight")
   parser.add_argument(
-    "--dir", default="/work/bench_nvme", help="data directory (on the disk under test)"
+    "--dir", default="bench_out/nvme_data", help="data directory (on the disk under test)"
   )
   parser.add_argument("--out", default="bench_out/nvme_tier.json")
   parser.add_argument("--_child", type=float, default=None, help=argparse.SUPPRESS)
