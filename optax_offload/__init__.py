@@ -12,13 +12,13 @@ Examples:
 from optax_offload._src.checkpoint import OffloadCheckpointHandler
 from optax_offload._src.checkpoint import OffloadRestore
 from optax_offload._src.checkpoint import OffloadSave
-from optax_offload._src.estimate import Bandwidths
 from optax_offload._src.estimate import Estimate
 from optax_offload._src.estimate import estimate
-from optax_offload._src.estimate import measure_bandwidths
 from optax_offload._src.gpu_program import GpuProgram
 from optax_offload._src.gpu_program import compile_for_gpu
 from optax_offload._src.grads import value_and_grad_to_host
+from optax_offload._src.measure import Bandwidths
+from optax_offload._src.measure import measure_bandwidths
 from optax_offload._src.nvme import NvmeCorruptionError
 from optax_offload._src.nvme import NvmeError
 from optax_offload._src.nvme import NvmeWriteError

@@ -1,8 +1,14 @@
 """Estimates for `offload` before a run: bytes per tier, whether they fit, and a step-time bound.
 
 Like DeepSpeed's memory estimators, plus time. Pure arithmetic on a parameter count or on parameter
-shapes (no array is allocated); `measure_bandwidths` is the one function that touches hardware. The
-``python -m optax_offload plan`` command prints `estimate`'s report.
+shapes (no array is allocated). The bandwidths and the free disk space it starts from come from
+`measure` (the only code that touches hardware); ``python -m optax_offload plan`` prints the report
+that `cli.report` renders (``str(estimate)``).
+
+Length: about 600 lines, over the ~500 we aim for, because a fifth of it is the docstrings of
+`estimate` and `Estimate` (the planning page of the API reference); the code is one result type
+and two derivations (from a count, from shapes) behind one function. The derivation from shapes
+(`_leaves`) repeats what `offload` derives per leaf and is to become the `make_setup` both share.
 """
 
 from __future__ import annotations
@@ -10,10 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
-import shutil
-import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,20 +27,13 @@ import optax
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
-from optax_offload._src.plan import format_bytes
-from optax_offload._src.plan import parse_bytes
-
-DEFAULT_LINK_BANDWIDTH = 25e9
-"""Host<->device bytes per second, one direction at a time: about PCIe 4.0 x16 (32 GB/s raw)."""
-
-DEFAULT_NVME_READ_BANDWIDTH = 3e9
-"""NVMe sequential read, bytes per second: a PCIe 3.0 x4 / entry PCIe 4.0 drive."""
-
-DEFAULT_NVME_WRITE_BANDWIDTH = 2e9
-"""NVMe sequential write with an fsync per step, bytes per second."""
-
-DEFAULT_HOST_MEMORY_BANDWIDTH = 40e9
-"""Host memory bytes per second that a CPU optimizer update streams (``update_on="host"``)."""
+from optax_offload._src.measure import Bandwidths
+from optax_offload._src.measure import free_disk
+from optax_offload._src.units import dtype_name
+from optax_offload._src.units import format_bytes
+from optax_offload._src.units import parse_bytes
+from optax_offload._src.units import parse_count
+from optax_offload._src.units import parse_dtype
 
 NVME_DISK_FACTOR = 4
 """Disk space per byte of NVMe-tier state: the store keeps the last two committed generations and
@@ -46,25 +41,6 @@ writes up to two more (see `NvmeStore`); 3 suffices when commits keep up with wr
 
 NVME_BUFFER_GROUPS = 3
 """Host buffers of the NVMe tier, in groups: one prefetched, one written behind, one in flight."""
-
-_COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-_DTYPES = {
-  "fp32": "float32",
-  "f32": "float32",
-  "float32": "float32",
-  "bf16": "bfloat16",
-  "bfloat16": "bfloat16",
-  "fp16": "float16",
-  "f16": "float16",
-  "float16": "float16",
-  "fp64": "float64",
-  "f64": "float64",
-  "float64": "float64",
-  "fp8": "float8_e4m3fn",
-}
-_SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,93 +70,6 @@ OPTIMIZERS: dict[str, _Optimizer] = {
   "adafactor": _Optimizer(lambda: optax.adafactor(1e-3), 0, "factored second moments"),
 }
 """Optimizers known by name: optax's alias and its parameter-shaped state arrays per parameter."""
-
-
-def parse_count(value: int | float | str, name: str = "params") -> int:
-  """Parses a parameter count such as ``7e9``, ``"7B"``, ``"1.3b"`` or ``"350M"``.
-
-  Suffixes are decimal: K (thousand), M (million), B or G (billion), T (trillion). ``B`` means
-  billions of parameters here, not bytes.
-
-  Args:
-    value: an int, a float or a string.
-    name: the argument's name, for error messages.
-
-  Returns:
-    The count, at least 1.
-
-  Raises:
-    ValueError: for an unparseable or non-positive count.
-
-  Examples:
-    >>> parse_count("7B"), parse_count("350M"), parse_count(1.3e9), parse_count("7_000")
-    (7000000000, 350000000, 1300000000, 7000)
-  """
-  if isinstance(value, bool) or not isinstance(value, int | float | str):
-    raise ValueError(f"{name} must be a parameter count like 7e9 or '7B', got {value!r}.")
-  if isinstance(value, str):
-    match = _COUNT_RE.match(value.replace("_", "").replace(",", ""))
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in _COUNT_UNITS:
-      raise ValueError(
-        f"Could not parse {name}={value!r}: use a parameter count such as 7e9, 7B, 1.3B or 350M "
-        "(K, M, B/G, T are thousands, millions, billions, trillions of parameters)."
-      )
-    value = float(match.group(1)) * _COUNT_UNITS[unit]
-  count = round(value)
-  if not math.isfinite(value) or count < 1:
-    raise ValueError(f"{name} must be a positive parameter count, got {value!r}.")
-  return count
-
-
-def parse_dtype(value: Any, name: str = "param_dtype") -> np.dtype:
-  """Parses a dtype given as ``"bf16"``, ``"fp32"``, ``jnp.bfloat16``, ... .
-
-  Examples:
-    >>> parse_dtype("bf16"), parse_dtype(jnp.float32)
-    (dtype(bfloat16), dtype('float32'))
-  """
-  if isinstance(value, str):
-    value = _DTYPES.get(value.lower(), value)
-  try:
-    return jnp.dtype(value)
-  except TypeError:
-    raise ValueError(
-      f"Unknown {name} {value!r}: use one of {', '.join(sorted(set(_DTYPES)))} or a numpy dtype name."
-    ) from None
-
-
-def _dtype_name(dtype: np.dtype) -> str:
-  return _SHORT_DTYPE.get(dtype.name, dtype.name)
-
-
-@dataclasses.dataclass(frozen=True)
-class Bandwidths:
-  """Bytes per second of the links a step uses.
-
-  Attributes:
-    link: host<->device, one direction at a time (``--measure`` times a copy each way).
-    nvme_read: NVMe sequential read.
-    nvme_write: NVMe sequential write, made durable (fsync) once per step.
-    host_memory: host memory streamed by a CPU-side update (``update_on="host"``).
-    measured: the fields that were measured (the others are defaults or given).
-    note: where the measured numbers come from.
-  """
-
-  link: float = DEFAULT_LINK_BANDWIDTH
-  nvme_read: float = DEFAULT_NVME_READ_BANDWIDTH
-  nvme_write: float = DEFAULT_NVME_WRITE_BANDWIDTH
-  host_memory: float = DEFAULT_HOST_MEMORY_BANDWIDTH
-  measured: tuple[str, ...] = ()
-  note: str = ""
-
-  def __post_init__(self):
-    for f in ("link", "nvme_read", "nvme_write", "host_memory"):
-      v = getattr(self, f)
-      if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
-        raise ValueError(
-          f"Bandwidths.{f} must be a positive number of bytes per second, got {v!r}."
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,128 +290,9 @@ class Estimate:
     return out
 
   def __str__(self) -> str:
-    return _report(self)
+    from optax_offload._src import cli  # the renderer lives with the command; cli imports us
 
-
-def _gbps(x: float) -> str:
-  return f"{x / 1e9:.1f} GB/s"
-
-
-def _report(e: Estimate) -> str:
-  fmt = format_bytes
-  master = f", {e.master_dtype} master copy" if e.master_dtype else ""
-  shapes = "" if e.plan is None else f" in {len(e.leaves)} leaves"
-  lines = [
-    f"optax_offload plan: {e.params:,} params ({e.param_dtype}){shapes}, {e.optimizer} with "
-    f"{e.state_dtype} state{master}, update on {e.update_on}",
-    "",
-  ]
-  if e.plan is None:
-    opt = OPTIMIZERS.get(e.optimizer)
-    state_per = (e.offloaded_bytes - e.master_bytes) / e.params
-    parts = [f"{e.master_bytes / e.params:g} B master"] if e.master_bytes else []
-    parts.append(f"{state_per:g} B {e.optimizer}" + (f" ({opt.state})" if opt else ""))
-    lines.append(
-      f"per parameter: {e.param_bytes / e.params:g} B param + {e.grad_bytes / e.params:g} B grad on "
-      f"device; {e.offloaded_bytes / e.params:g} B offloaded: {' + '.join(parts)}"
-    )
-  lines += ["", f"{'tier':<8}{'bytes':>12}  holds"]
-  device_parts = [f"params {fmt(e.param_bytes)}", f"grads {fmt(e.grad_bytes)}"]
-  if e.window_peak:
-    device_parts.append(f"window {fmt(e.window_peak)} (window_bytes {fmt(e.window_bytes)})")
-  if e.device_state_bytes:
-    device_parts.append(f"small-leaf state {fmt(e.device_state_bytes)}")
-  if e.activation_bytes:
-    device_parts.append(f"activations {fmt(e.activation_bytes)}")
-  else:
-    device_parts.append("activations not included")
-  limit = "(no --host-limit)" if e.host_limit is None else f"up to --host-limit {fmt(e.host_limit)}"
-  host_note = f"offloaded state {limit}"
-  if e.nvme_buffer_bytes:
-    host_note += f"; plus {fmt(e.nvme_buffer_bytes)} of NVMe staging buffers"
-  if e.nvme:
-    nvme_note = (
-      f"offloaded state beyond the host limit; disk needed {fmt(e.nvme_disk_bytes)} "
-      f"({NVME_DISK_FACTOR} generations)"
-    )
-  else:
-    nvme_note = "no NVMe tier (--nvme-dir / --nvme-size)"
-  for tier, nbytes, note in (
-    ("device", e.device_bytes, " + ".join(device_parts)),
-    ("host", e.host_bytes, host_note),
-    ("nvme", e.nvme_bytes, nvme_note),
-  ):
-    lines.append(f"{tier:<8}{fmt(nbytes):>12}  {note}")
-  master_note = f", incl. the master copy ({fmt(e.master_bytes)})" if e.master_bytes else ""
-  lines.append(f"offloaded in all: {fmt(e.offloaded_bytes)}{master_note}")
-  if e.plan is not None:
-    counts = {t.value: sum(t is u for u in e.plan.tiers) for t in plan_lib.Tier}
-    lines.append(
-      f"leaves: {counts['device']} on device (< min_size), {counts['host']} host, "
-      f"{counts['nvme']} nvme; {len(e.plan.groups)} groups"
-    )
-  warning = plan_lib.pinned_pool_warning(e.host_bytes)
-  if warning:
-    lines.append(f"on GPU (one device): {warning}")
-  lines.append("")
-  checks = []
-  if e.device_memory is None:
-    checks.append("device not checked (pass --device-memory)")
-  if e.nvme and e.nvme_capacity is None:
-    checks.append("disk space not checked (pass --nvme-size)")
-  if e.fits:
-    lines.append("fits: yes" + (f" ({'; '.join(checks)})" if checks else ""))
-    if e.device_memory is not None:
-      lines.append(f"  device: {fmt(e.device_bytes)} of {fmt(e.device_memory)}")
-  else:
-    lines.append("fits: NO" + (f" ({'; '.join(checks)})" if checks else ""))
-    for s in e.shortfalls:
-      lines.append(
-        f"  {s.tier}: needs {fmt(s.needed)} but has {fmt(s.available)}: "
-        f"{fmt(s.missing)} ({s.missing} bytes) missing; {s.advice}"
-      )
-  t, bw = e.step_times, e.bandwidths
-  lines += [
-    "",
-    f"step time lower bound: {e.step_time_lower_bound:.3f} s ({e.bottleneck}; forward and backward "
-    "excluded, transfers overlapped perfectly)",
-  ]
-  if e.update_on == "device":
-    link_what = "each offloaded byte to the device and back"
-  else:
-    link_what = "grads to the host, updates back"
-  lines.append(
-    f"  link       {fmt(e.link_bytes):>12} / {_gbps(bw.link)} = {t['link']:.3f} s  ({link_what})"
-  )
-  if e.nvme_bytes:
-    lines.append(
-      f"  nvme read  {fmt(e.nvme_bytes):>12} / {_gbps(bw.nvme_read)} = {t['nvme_read']:.3f} s"
-    )
-    lines.append(
-      f"  nvme write {fmt(e.nvme_bytes):>12} / {_gbps(bw.nvme_write)} = {t['nvme_write']:.3f} s"
-    )
-  if e.update_on == "host":
-    touched = 2 * e.offloaded_bytes + e.link_bytes
-    lines.append(
-      f"  host update {fmt(touched):>11} / {_gbps(bw.host_memory)} = {t['host_update']:.3f} s "
-      "(state read and written, grads read, updates written)"
-    )
-  if bw.measured:
-    lines.append(f"  measured: {', '.join(bw.measured)}" + (f" ({bw.note})" if bw.note else ""))
-  else:
-    lines.append("  bandwidths: defaults or given; --measure times this machine")
-  return "\n".join(lines)
-
-
-def _free_disk(path: str | os.PathLike) -> int:
-  """Free bytes on the file system of `path`, or of its nearest existing parent."""
-  p = os.path.abspath(os.fspath(path))
-  while not os.path.exists(p):
-    parent = os.path.dirname(p)
-    if parent == p:
-      break
-    p = parent
-  return shutil.disk_usage(p).free
+    return cli.report(self)
 
 
 def _param_tree(params: Any) -> Any:
@@ -632,49 +402,23 @@ def estimate(
   nvme_size = parse_bytes(nvme_size, "nvme_size")
   window = parse_bytes(window_bytes, "window_bytes")
   activations = parse_bytes(activation_bytes, "activation_bytes") or 0
-  if window == 0:
-    raise ValueError("window_bytes must be > 0; pass None for the default.")
-  if window is None:
-    window = (
-      int(device_memory * plan_lib.DEFAULT_WINDOW_FRACTION)
-      if device_memory
-      else plan_lib.FALLBACK_WINDOW_BYTES
-    )
-  master = None if master_dtype is None else parse_dtype(master_dtype, "master_dtype")
-  if master is not None and not jnp.issubdtype(master, jnp.floating):
-    raise ValueError(f"master_dtype must be a floating dtype, got {master}.")
-  nvme = nvme_dir is not None or nvme_size is not None
+  window = _window(window, device_memory)
+  master = _parse_master(master_dtype)
   capacity = nvme_size
   if capacity is None and nvme_dir is not None:
-    capacity = _free_disk(nvme_dir)
-  if bandwidths is None:
-    bandwidths = Bandwidths()
-
-  if isinstance(optimizer, str):
-    key = optimizer.lower().replace("_", "-")
-    key = {"momentum": "sgd-momentum"}.get(key, key)
-    if key not in OPTIMIZERS:
-      raise ValueError(f"Unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}.")
-    opt_name, opt = key, OPTIMIZERS[key]
-  elif isinstance(optimizer, optax.GradientTransformation):
-    opt_name, opt = "custom", None
-  else:
-    raise ValueError(
-      f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or an optax transformation, got "
-      f"{type(optimizer).__name__}."
-    )
-
+    capacity = free_disk(nvme_dir)
+  opt_name, opt = _optimizer(optimizer)
   common = dict(
     optimizer=opt_name,
-    master_dtype=None if master is None else _dtype_name(master),
+    master_dtype=None if master is None else dtype_name(master),
     update_on=update_on,
     device_memory=device_memory,
     host_limit=host_limit,
-    nvme=nvme,
+    nvme=nvme_dir is not None or nvme_size is not None,
     nvme_capacity=capacity,
     window_bytes=window,
     activation_bytes=activations,
-    bandwidths=bandwidths,
+    bandwidths=Bandwidths() if bandwidths is None else bandwidths,
   )
   if isinstance(params, int | float | str) and not isinstance(params, bool):
     if opt is None:
@@ -685,6 +429,40 @@ def estimate(
     return _estimate_count(parse_count(params), parse_dtype(param_dtype), master, opt, common)
   tx = optimizer if opt is None else opt.factory()
   return _estimate_tree(_param_tree(params), tx, master, min_size, common)
+
+
+def _window(window: int | None, device_memory: int | None) -> int:
+  """The window `offload` would use: as given, else a fraction of the device's memory, else 1 GiB."""
+  if window == 0:
+    raise ValueError("window_bytes must be > 0; pass None for the default.")
+  if window is not None:
+    return window
+  if device_memory:
+    return int(device_memory * plan_lib.DEFAULT_WINDOW_FRACTION)
+  return plan_lib.FALLBACK_WINDOW_BYTES
+
+
+def _parse_master(master_dtype: Any) -> np.dtype | None:
+  master = None if master_dtype is None else parse_dtype(master_dtype, "master_dtype")
+  if master is not None and not jnp.issubdtype(master, jnp.floating):
+    raise ValueError(f"master_dtype must be a floating dtype, got {master}.")
+  return master
+
+
+def _optimizer(optimizer: Any) -> tuple[str, _Optimizer | None]:
+  """The optimizer's name and table entry; None for a custom optax transformation."""
+  if isinstance(optimizer, str):
+    key = optimizer.lower().replace("_", "-")
+    key = {"momentum": "sgd-momentum"}.get(key, key)
+    if key not in OPTIMIZERS:
+      raise ValueError(f"Unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}.")
+    return key, OPTIMIZERS[key]
+  if isinstance(optimizer, optax.GradientTransformation):
+    return "custom", None
+  raise ValueError(
+    f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or an optax transformation, got "
+    f"{type(optimizer).__name__}."
+  )
 
 
 def _needs_master(dtype: np.dtype, master: np.dtype) -> bool:
@@ -712,8 +490,8 @@ def _estimate_count(n: int, dtype: np.dtype, master, opt: _Optimizer, common) ->
   param_bytes = n * dtype.itemsize
   return Estimate(
     params=n,
-    param_dtype=_dtype_name(dtype),
-    state_dtype=_dtype_name(state_dtype),
+    param_dtype=dtype_name(dtype),
+    state_dtype=dtype_name(state_dtype),
     param_bytes=param_bytes,
     grad_bytes=param_bytes,
     device_state_bytes=0,
@@ -728,7 +506,19 @@ def _estimate_count(n: int, dtype: np.dtype, master, opt: _Optimizer, common) ->
   )
 
 
-def _estimate_tree(tree: Any, tx, master, min_size: int, common) -> Estimate:
+@dataclasses.dataclass(frozen=True)
+class _Leaves:
+  """What `estimate` derives per param leaf from shapes alone (the inner state built abstractly)."""
+
+  sizes: list[int]  # elements
+  dtypes: list[np.dtype]  # of the params
+  has_master: list[bool]  # whether the leaf gets a master copy
+  state_dtypes: set[np.dtype]  # of the per-leaf state
+  infos: list[plan_lib.LeafInfo]  # what `make_plan` places
+  small: int  # state bytes on the device whatever the plan: shared state, arrays under min_size
+
+
+def _leaves(tree: Any, tx, master, min_size: int) -> _Leaves:
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   if not flat:
     raise ValueError("params has no leaves: pass a parameter count or a non-empty tree of shapes.")
@@ -757,47 +547,53 @@ def _estimate_tree(tree: Any, tx, master, min_size: int, common) -> Estimate:
   rows = separable.splittable(
     optax.with_extra_args_support(tx), inner_avals, per_leaf, dims, min_size, axis=0
   )
-  leaves = []
+  infos = []
   for path, size, part, aval, m, n in zip(paths, sizes, per_leaf, inner_avals, has_master, rows):
     arrays = jax.tree.leaves(part) + ([aval] if m else [])
     offloadable = sum(_nbytes(x) for x in arrays if math.prod(x.shape) >= min_size)
     small += sum(_nbytes(x) for x in arrays if math.prod(x.shape) < min_size)
-    leaves.append(plan_lib.LeafInfo(path, size, offloadable, rows=n))
-  kwargs = dict(min_size=min_size, window_bytes=common["window_bytes"])
-  try:
-    plan = plan_lib.make_plan(
-      leaves, host_limit=common["host_limit"], nvme=common["nvme"], **kwargs
-    )
-  except ValueError:  # over host_limit without NVMe: report the shortfall instead
-    plan = plan_lib.make_plan(leaves, host_limit=None, nvme=False, **kwargs)
-  group_bytes = plan.group_bytes(leaves)
-  pairs = [a + b for a, b in zip(group_bytes, group_bytes[1:])] or group_bytes
-  nvme_groups = [
-    sum(leaves[i].state_bytes for i in g if plan.tiers[i] is plan_lib.Tier.NVME)
-    for g in plan.groups
-  ]
-  offloaded = [plan.tiers[i] is not plan_lib.Tier.DEVICE for i in range(len(leaves))]
-  param_bytes = sum(s * d.itemsize for s, d in zip(sizes, dtypes))
-  # update_on="host": grads go to the host, updates (in the master dtype, if any) come back.
-  host_link_bytes = sum(
-    s * (d.itemsize + (master.itemsize if m else d.itemsize))
-    for s, d, m, o in zip(sizes, dtypes, has_master, offloaded)
-    if o
-  )
-  on_device = common["update_on"] == "device"
+    infos.append(plan_lib.LeafInfo(path, size, offloadable, rows=n))
   state_dtypes = {jnp.dtype(x.dtype) for part in per_leaf for x in jax.tree.leaves(part)} or set(
     a.dtype for a in inner_avals
   )
+  return _Leaves(sizes, dtypes, has_master, state_dtypes, infos, small)
+
+
+def _estimate_tree(tree: Any, tx, master, min_size: int, common) -> Estimate:
+  t = _leaves(tree, tx, master, min_size)
+  kwargs = dict(min_size=min_size, window_bytes=common["window_bytes"])
+  try:
+    plan = plan_lib.make_plan(
+      t.infos, host_limit=common["host_limit"], nvme=common["nvme"], **kwargs
+    )
+  except ValueError:  # over host_limit without NVMe: report the shortfall instead
+    plan = plan_lib.make_plan(t.infos, host_limit=None, nvme=False, **kwargs)
+  group_bytes = plan.group_bytes(t.infos)
+  pairs = [a + b for a, b in zip(group_bytes, group_bytes[1:])] or group_bytes
+  nvme_groups = [
+    sum(t.infos[i].state_bytes for i in g if plan.tiers[i] is plan_lib.Tier.NVME)
+    for g in plan.groups
+  ]
+  offloaded = [plan.tiers[i] is not plan_lib.Tier.DEVICE for i in range(len(t.infos))]
+  param_bytes = sum(s * d.itemsize for s, d in zip(t.sizes, t.dtypes))
+  # update_on="host": grads go to the host, updates (in the master dtype, if any) come back.
+  host_link_bytes = sum(
+    s * (d.itemsize + (master.itemsize if m else d.itemsize))
+    for s, d, m, o in zip(t.sizes, t.dtypes, t.has_master, offloaded)
+    if o
+  )
+  on_device = common["update_on"] == "device"
+  state_dtypes = set(t.state_dtypes)
   return Estimate(
-    params=sum(sizes),
-    param_dtype=_dtype_name(dtypes[0]) if len(set(dtypes)) == 1 else "mixed",
-    state_dtype=_dtype_name(state_dtypes.pop()) if len(state_dtypes) == 1 else "mixed",
+    params=sum(t.sizes),
+    param_dtype=dtype_name(t.dtypes[0]) if len(set(t.dtypes)) == 1 else "mixed",
+    state_dtype=dtype_name(state_dtypes.pop()) if len(state_dtypes) == 1 else "mixed",
     param_bytes=param_bytes,
     grad_bytes=param_bytes,
-    device_state_bytes=small + plan.bytes_per_tier["device"],
+    device_state_bytes=t.small + plan.bytes_per_tier["device"],
     window_peak=max(pairs, default=0) if on_device else 0,
     master_bytes=sum(
-      s * master.itemsize for s, m, o in zip(sizes, has_master, offloaded) if m and o
+      s * master.itemsize for s, m, o in zip(t.sizes, t.has_master, offloaded) if m and o
     ),
     host_bytes=plan.bytes_per_tier["host"],
     nvme_bytes=plan.bytes_per_tier["nvme"],
@@ -807,104 +603,7 @@ def _estimate_tree(tree: Any, tx, master, min_size: int, common) -> Estimate:
       if on_device
       else host_link_bytes
     ),
-    leaves=tuple(leaves),
+    leaves=tuple(t.infos),
     plan=plan,
     **common,
   )
-
-
-def measure_bandwidths(
-  nvme_dir: str | os.PathLike | None = None,
-  *,
-  nbytes: int | str = "256MiB",
-  repeats: int = 3,
-  base: Bandwidths | None = None,
-) -> Bandwidths:
-  """Times this machine's host<->device link and, given a directory, its disk.
-
-  Link: `jax.device_put` of an ``nbytes`` array from device memory to ``pinned_host`` and back, on
-  the first device, best of `repeats`. On the CPU backend this is a memory copy, not a PCIe link.
-  Disk: writes an ``nbytes`` temporary file in `nvme_dir` and fsyncs it, drops it from the page
-  cache (``posix_fadvise``), reads it back, and deletes it. A file system that keeps the data in
-  memory (tmpfs) reports memory speed.
-
-  Args:
-    nvme_dir: the NVMe tier's directory (created if missing), or None to measure the link only.
-    nbytes: bytes per transfer and size of the temporary file.
-    repeats: link transfers timed; the fastest counts.
-    base: bandwidths for what is not measured; default `Bandwidths()`.
-
-  Returns:
-    `Bandwidths` with the measured fields replaced.
-
-  Examples:
-    >>> import tempfile
-    >>> with tempfile.TemporaryDirectory() as nvme_dir:
-    ...   bw = measure_bandwidths(nvme_dir, nbytes="4MiB", repeats=1)
-    >>> bw.measured
-    ('link', 'nvme_read', 'nvme_write')
-  """
-  n = parse_bytes(nbytes, "nbytes")
-  if not n:
-    raise ValueError("nbytes must be > 0.")
-  if repeats < 1:
-    raise ValueError(f"repeats must be >= 1, got {repeats}.")
-  base = base or Bandwidths()
-  values: dict[str, float] = {}
-  notes = []
-  device = jax.local_devices()[0]
-  kinds = {m.kind for m in device.addressable_memories()}
-  if "pinned_host" in kinds:
-    x = jax.device_put(jnp.ones(max(n // 4, 1), jnp.float32), device)
-    on_device = x.sharding
-    on_host = on_device.with_memory_kind("pinned_host")
-    jax.device_put(jax.device_put(x, on_host), on_device).block_until_ready()  # warm up
-    best = math.inf
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      h = jax.device_put(x, on_host).block_until_ready()
-      jax.device_put(h, on_device).block_until_ready()
-      best = min(best, time.perf_counter() - t0)
-    values["link"] = 2 * x.nbytes / best
-    notes.append(f"link: {format_bytes(x.nbytes)} each way on {device.platform}")
-  else:
-    notes.append(f"link not measured: {device.platform} has no pinned_host memory")
-  if nvme_dir is not None:
-    os.makedirs(nvme_dir, exist_ok=True)
-    read, write = _measure_disk(os.fspath(nvme_dir), n)
-    values.update(nvme_read=read, nvme_write=write)
-    notes.append(f"disk: {format_bytes(n)} file in {os.path.abspath(nvme_dir)}")
-  else:
-    notes.append("disk not measured: no NVMe directory")
-  return dataclasses.replace(
-    base,
-    **values,
-    measured=tuple(k for k in ("link", "nvme_read", "nvme_write") if k in values),
-    note="; ".join(notes),
-  )
-
-
-def _measure_disk(directory: str, nbytes: int) -> tuple[float, float]:
-  """(read, write) bytes per second of a file of `nbytes` in `directory`, written and fsynced."""
-  chunk = min(nbytes, 16 << 20)
-  block = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
-  fd, path = tempfile.mkstemp(prefix=".optax_offload_measure_", dir=directory)
-  try:
-    t0 = time.perf_counter()
-    left = nbytes
-    while left > 0:
-      left -= os.write(fd, block[: min(left, chunk)])
-    os.fsync(fd)
-    write_s = time.perf_counter() - t0
-    if hasattr(os, "posix_fadvise"):
-      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.lseek(fd, 0, os.SEEK_SET)
-    buf = bytearray(chunk)
-    t0 = time.perf_counter()
-    while os.readv(fd, [buf]) > 0:
-      pass
-    read_s = time.perf_counter() - t0
-  finally:
-    os.close(fd)
-    os.unlink(path)
-  return nbytes / max(read_s, 1e-9), nbytes / max(write_s, 1e-9)
