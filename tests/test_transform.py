@@ -428,3 +428,39 @@ def test_a_jitted_step_compiles_once_with_committed_params(apply):
   for t in range(3):
     params, state = step(params, state, make_grads(make_params(), t))
   assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize(
+  "name,make,exact",
+  [
+    ("adamw", lambda: optax.adamw(1e-2), False),
+    ("sgd_momentum", lambda: optax.sgd(1e-2, momentum=0.9), True),
+    # Moments factored over the last two axes, per layer; its default clipping and parameter scale
+    # take an RMS over the whole leaf (not separable along the layers: the probe keeps such a
+    # leaf whole).
+    (
+      "adafactor",
+      lambda: optax.adafactor(1e-2, clipping_threshold=None, multiply_by_parameter_scale=False),
+      False,
+    ),
+  ],
+  ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_a_stacked_leaf_is_streamed_in_row_slices(name, make, exact, caplog):
+  # One leaf of 8 stacked layers, as lax.scan models keep them; a window of about two layers.
+  rng = np.random.default_rng(0)
+  params = {"layers": jnp.asarray(rng.normal(size=(8, 256, 256)) * 0.1, jnp.float32)}
+  layer = jax.eval_shape(make().init, {"layers": jnp.zeros((1, 256, 256))})
+  layer_state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer) if x.size >= 256)
+  tx = oo.offload(make(), window_bytes=int(2.25 * 2 * layer_state), min_size=256)
+  with caplog.at_level("INFO", logger="optax_offload._src.transform"):
+    tx.init(params)
+  assert caplog.text.count("['layers'][") >= 3, caplog.text  # planned in row slices of layers
+  ref_params, ref_state = train(make(), params, 10)
+  got_params, got_state = train(tx, params, 10, apply=True)
+  if exact:
+    assert bits_equal(ref_params, got_params)
+    assert bits_equal(ref_state, oo.to_inner(got_state, memory_kind="device"))
+  else:
+    assert_close(ref_params, got_params)
+    assert_close(ref_state, oo.to_inner(got_state, memory_kind="device"))
