@@ -90,8 +90,8 @@ def bits_equal(a, b) -> bool:
 WHOLE_LEAF_WINDOW = 1_200_000
 """A window that makes several groups of make_params() but splits no leaf into row slices.
 
-NVMe-tier leaves are never split (the store keeps whole arrays), so tests that compare tiers bit for
-bit use it: same groups, same bits."""
+For tests of whole-leaf groups. Tiers need no such window to compare bit for bit: the plan slices a
+leaf the same way on the host and NVMe tiers (same groups, same bits)."""
 
 RTOL = 1e-5
 """Numerics-rule tolerance against plain optax for grouped updates: per leaf, relative to the leaf's

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from conftest import WHOLE_LEAF_WINDOW
 from conftest import bits_equal
 
 import optax_offload as oo
@@ -454,3 +455,73 @@ def test_read_only_checkpoint_directory(tmp_path):
   assert store_manifest["pinned"] == []  # the failed save left nothing pinned
   oo.close_nvme(s)
   oo.close_nvme(restored["opt_state"])
+
+
+def test_sliced_nvme_leaf_restores_into_other_placements_and_slices(fast_dir):
+  # 'big' is on NVMe in 12 row slices at child.WINDOW, each saved as its own file with its region;
+  # restore reads any target's regions by overlap: the host tier (whole arrays), and an NVMe tier
+  # whose window cuts 'big' into other slices.
+  params = child.committed_params()
+  tx = child.make_tx("adamw", "nvme", fast_dir / "nvme_a")
+  step = child.make_step(tx)
+  p, s = child.run(step, params, tx.init(params), 0, STEP)
+  _save(fast_dir / "ckpt", STEP, p, s)
+  item = fast_dir / "ckpt" / str(STEP) / "opt_state" / oo.OffloadCheckpointHandler.SUBDIR
+  manifest = json.loads((item / "process_0" / "manifest.json").read_text())
+  (big_mu,) = [e for e in manifest["arrays"] if e["path"] == "[0].mu['big']"]
+  assert [r["region"][0] for r in big_mu["nvme"]] == [[25 * k, 25 * k + 25] for k in range(12)]
+  saved = oo.to_inner(s)
+  want = child.result(*child.run(step, p, s, STEP, STEP + 2))
+  oo.close_nvme(s)
+
+  host_tx = child.make_tx("adamw", "host")
+  p2, s2 = _restore(fast_dir / "ckpt", STEP, params, host_tx.init(params))
+  assert bits_equal(saved, oo.to_inner(s2))
+  # The same window: the same groups, so the host tier continues with the NVMe tier's bits.
+  assert _results_equal(
+    want, child.result(*child.run(child.make_step(host_tx), p2, s2, STEP, STEP + 2))
+  )
+
+  window = child.WINDOW * 3  # 'big' in 4 slices of 75 rows
+  other_tx = child.make_tx("adamw", "nvme", fast_dir / "nvme_b", window_bytes=window)
+  p3, s3 = _restore(fast_dir / "ckpt", STEP, params, other_tx.init(params))
+  try:
+    assert bits_equal(saved, oo.to_inner(s3))
+    names = [spec.name for group in _store_of(s3).groups for spec in group]
+    assert [n for n in names if n.startswith("leaf00000_part0")] == [
+      f"leaf00000_part0_shard0000_rows{a:06d}-{a + 75:06d}" for a in (0, 75, 150, 225)
+    ]
+    # And it trains on like the host tier with that window (same groups, same bits).
+    ref_tx = child.make_tx("adamw", "host", window_bytes=window)
+    p4, s4 = _restore(fast_dir / "ckpt", STEP, params, ref_tx.init(params))
+    got = child.result(*child.run(child.make_step(other_tx), p3, s3, STEP, STEP + 2))
+    assert _results_equal(
+      child.result(*child.run(child.make_step(ref_tx), p4, s4, STEP, STEP + 2)), got
+    )
+  finally:
+    oo.close_nvme(s3)
+
+
+def test_whole_and_sliced_nvme_files_restore_into_each_other(fast_dir):
+  # A checkpoint of whole NVMe shards (as saved before leaves were sliced on NVMe, or with a window
+  # that keeps 'big' whole) restores into row slices, and back.
+  params = child.committed_params()
+  whole_tx = child.make_tx("adamw", "nvme", fast_dir / "whole", window_bytes=WHOLE_LEAF_WINDOW)
+  p, s = child.run(child.make_step(whole_tx), params, whole_tx.init(params), 0, STEP)
+  saved = oo.to_inner(s)
+  _save(fast_dir / "ckpt_whole", STEP, p, s)
+  oo.close_nvme(s)
+  item = fast_dir / "ckpt_whole" / str(STEP) / "opt_state" / oo.OffloadCheckpointHandler.SUBDIR
+  manifest = json.loads((item / "process_0" / "manifest.json").read_text())
+  (big_mu,) = [e for e in manifest["arrays"] if e["path"] == "[0].mu['big']"]
+  assert [r["region"] for r in big_mu["nvme"]] == [[[0, 300], [0, 200]]]
+
+  sliced_tx = child.make_tx("adamw", "nvme", fast_dir / "sliced")
+  _, s2 = _restore(fast_dir / "ckpt_whole", STEP, params, sliced_tx.init(params))
+  assert bits_equal(saved, oo.to_inner(s2))
+  assert len(_store_of(s2).groups) > 12  # 'big' in 12 slices, and the other leaves
+  _save(fast_dir / "ckpt_sliced", STEP, p, s2)
+  oo.close_nvme(s2)
+  _, s3 = _restore(fast_dir / "ckpt_sliced", STEP, params, whole_tx.init(params))
+  assert bits_equal(saved, oo.to_inner(s3))
+  oo.close_nvme(s3)

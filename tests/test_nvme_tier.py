@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_offload as oo
 from optax_offload._src import nvme
+from optax_offload._src import nvme_tier
 
 HERE = os.path.dirname(__file__)
 WINDOW = 100_000
@@ -348,6 +349,13 @@ def _reference_states(steps):
   return {g: (np.asarray(s[0].mu["big"]), np.asarray(s[0].nu["big"])) for g, s in refs.items()}
 
 
+def _joined_slices(data, name):
+  """A stored array whose row slices are store leaves ``{name}_rows{start}-{stop}``, joined."""
+  names = sorted(n for n in data if n.startswith(name + "_rows"))
+  assert len(names) > 1, sorted(data)
+  return np.concatenate([data[n] for n in names])
+
+
 def test_sigkill_at_random_moments_leaves_a_committed_generation(tmp_path):
   steps = 400
   refs = _reference_states(60)
@@ -372,7 +380,8 @@ def test_sigkill_at_random_moments_leaves_a_committed_generation(tmp_path):
       g = store.committed_generation
       data = store.read_generation()
     assert g in refs, f"trial {trial}: generation {g} beyond the reference run"
-    mu, nu = data["leaf00000_part0_shard0000"], data["leaf00000_part1_shard0000"]
+    # 'big' streams in row slices at this window: each slice is a store leaf of its own.
+    mu, nu = (_joined_slices(data, f"leaf00000_part{j}_shard0000") for j in (0, 1))
     assert np.array_equal(mu, refs[g][0]) and np.array_equal(nu, refs[g][1]), (
       f"trial {trial}, generation {g}"
     )
@@ -466,3 +475,108 @@ def test_stale_state_is_refused_and_the_current_state_stays_usable(devices, tmp_
     assert int(fork.nvme_generation) > g
   finally:
     oo.close_nvme(states[-1])
+
+
+def _stacked_params(seed: int = 0) -> dict:
+  """A stacked-layer leaf (16 layers in one array) and a smaller leaf."""
+  rng = np.random.default_rng(seed)
+  return {
+    "layers": jax.numpy.asarray(rng.normal(size=(16, 64, 128)) * 0.1, jax.numpy.float32),
+    "embed": jax.numpy.asarray(rng.normal(size=(64, 128)) * 0.1, jax.numpy.float32),
+  }
+
+
+# 'layers' has 1 MiB of Adam state; this window's groups hold 4 of its 16 rows (256 KiB) each.
+STACKED_WINDOW = int(4 * 2 * 64 * 128 * 4 * 2.25)
+STACKED_LEAF_BYTES = 2 * 16 * 64 * 128 * 4
+
+
+def _train_stacked(tx, steps, params=None):
+  params = _stacked_params() if params is None else params
+  state = tx.init(params)
+  step = _step_fn(tx)
+  for t in range(steps):
+    params, state = step(params, state, make_grads(params, t))
+  return params, state
+
+
+@pytest.mark.parametrize("update_on", ["device", "host"])
+def test_stacked_leaf_streams_in_row_slices_on_nvme(update_on, tmp_path):
+  # The same groups whatever the tier: 'layers' is updated in 4 row slices on the host tier and on
+  # NVMe, so both give the same bits; on NVMe each slice is a store group of its own, and the
+  # store's host buffers hold slices, never the whole leaf.
+  def make(**kw):
+    return oo.offload(optax.adamw(1e-2), window_bytes=STACKED_WINDOW, update_on=update_on, **kw)
+
+  host_params, host_state = _train_stacked(make(), 6)
+  nvme_params, nvme_state = _train_stacked(make(host_limit=0, nvme_dir=str(tmp_path)), 6)
+  try:
+    assert bits_equal(host_params, nvme_params)
+    assert bits_equal(oo.to_inner(host_state), oo.to_inner(nvme_state))
+    assert oo.tiers(nvme_state).inner[0].mu == {"layers": "nvme", "embed": "nvme"}
+    store = nvme_tier.lookup(nvme_state.nvme_store).store
+    slices = [
+      [(spec.name, spec.shape) for spec in group]
+      for group in store.groups
+      if any(spec.name.startswith("leaf00001") for spec in group)
+    ]
+    assert slices == [
+      [(f"leaf00001_part{j}_shard0000_rows{a:06d}-{a + 4:06d}", (4, 64, 128)) for j in (0, 1)]
+      for a in (0, 4, 8, 12)
+    ]
+    assert store.host_buffer_bound == 3 * STACKED_LEAF_BYTES // 4
+    assert 0 < store.stats["peak_buffer_bytes"] <= store.host_buffer_bound
+    oo.sync_nvme(nvme_state)
+    gen = tmp_path / "process_0" / f"gen_{int(nvme_state.nvme_generation):08d}"
+    assert sorted(p.name for p in gen.iterdir()) == [
+      "leaf00000_part0_shard0000",
+      "leaf00000_part1_shard0000",
+      *[
+        f"leaf00001_part{j}_shard0000_rows{a:06d}-{a + 4:06d}"
+        for j in (0, 1)
+        for a in (0, 4, 8, 12)
+      ],
+    ]
+  finally:
+    oo.close_nvme(nvme_state)
+
+
+def test_stacked_leaf_slices_on_a_4_device_mesh(tmp_path):
+  # Tensor parallel on the second axis: each device's shard of 'layers' is stored slice by slice.
+  mesh = jax.make_mesh((4,), ("model",), devices=jax.devices()[:4])
+  specs = {"layers": P(None, None, "model"), "embed": P(None, "model")}
+
+  def put(tree):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+  def run(tx):
+    params = put(_stacked_params())
+    state = tx.init(params)
+    step = _step_fn(tx)
+    for t in range(4):
+      params, state = step(params, state, put(make_grads(params, t)))
+    return params, state
+
+  host_params, host_state = run(oo.offload(optax.adamw(1e-2), window_bytes=STACKED_WINDOW // 4))
+  tx = oo.offload(
+    optax.adamw(1e-2), window_bytes=STACKED_WINDOW // 4, host_limit=0, nvme_dir=str(tmp_path)
+  )
+  nvme_params, nvme_state = run(tx)
+  try:
+    assert bits_equal(host_params, nvme_params)
+    inner = oo.to_inner(nvme_state)
+    assert bits_equal(oo.to_inner(host_state), inner)
+    mu = inner[0].mu["layers"]
+    want = NamedSharding(mesh, specs["layers"], memory_kind="pinned_host")
+    assert mu.sharding.is_equivalent_to(want, mu.ndim)
+    oo.sync_nvme(nvme_state)
+    gen = tmp_path / "process_0" / f"gen_{int(nvme_state.nvme_generation):08d}"
+    names = sorted(p.name for p in gen.iterdir() if p.name.startswith("leaf00001_part0"))
+    # The per-device window is a quarter of the leaf's: its shards are updated in 4 slices too.
+    assert names == [
+      f"leaf00001_part0_shard{s:04d}_rows{a:06d}-{a + 4:06d}"
+      for s in range(4)
+      for a in (0, 4, 8, 12)
+    ]
+  finally:
+    oo.close_nvme(nvme_state)

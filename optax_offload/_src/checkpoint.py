@@ -16,10 +16,16 @@ The checkpoint does not depend on where the state lived: it holds the *plain* in
                                                            one shard of an NVMe-tier array: the store's
                                                            zarr3 files (crc32c per chunk), hard-linked
                                                            or copied
+  <item>/optax_offload/process_0/store_0/leaf00000_part0_shard0000_rows000000-000025/
+                                                           a row slice of a shard, for a leaf the plan
+                                                           streams in row slices
 
-Each process saves the shards its store holds (its devices' distinct shards), under its own
-``process_{i}``; restore reads, for each shard the target needs, the saved shards that overlap it
-(from any process's directory), so a checkpoint restores into another sharding or process count.
+Each process saves the parts its store holds (its devices' distinct shards, or their row slices),
+under its own ``process_{i}``, and the manifest records the region (box) of each; restore reads,
+for each region the target needs, the saved regions that overlap it (from any process's
+directory), so a checkpoint restores into another sharding, process count or row slicing
+(another ``window_bytes``). Checkpoints of whole shards, saved before NVMe leaves were sliced,
+restore the same way: the format (version 2) is unchanged.
 
 NVMe-tier arrays are not read at save time: the generation the state names is pinned in its store
 (`NvmeStore.pin`), and its files, immutable once committed, are hard-linked into the checkpoint
@@ -684,11 +690,14 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     store.sync()
     generation = store.new_generation()
     where = {x.key: n for n, x in enumerate(target.leaves) if _is_ref(x) and x.store == k}
+    full: dict[int, Any] = {}
     for group in range(len(store.groups)):
       shards = tier.store_leaves(group)  # (key, region) of each store leaf
       members = sorted({where[key] for key, _ in shards})
-      full: dict[int, Any] = {}
-      from_pytree = [n for n in members if saved[target.paths[n]]["nvme"] is None]
+      # A leaf stored in row slices spans consecutive groups: its array, read whole, serves them
+      # all, and is dropped after the last.
+      full = {n: x for n, x in full.items() if n in members}
+      from_pytree = [n for n in members if saved[target.paths[n]]["nvme"] is None and n not in full]
       if from_pytree:  # saved from memory: Orbax reads the whole array (as numpy)
         flat = self._restore_pytree(
           directory, target, from_pytree, [None] * len(target.leaves), numpy=True

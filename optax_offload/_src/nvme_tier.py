@@ -8,7 +8,16 @@ Sharding: every NVMe array keeps its param's sharding (a ``NamedSharding`` over 
 one device form a one-device mesh). Each process stores only the distinct shards its devices hold,
 once each (a replicated array once per process, not once per device), as store leaves
 ``leaf{i}_part{j}_shard{s}`` (``s`` numbers the array's distinct shards in the order of their
-offsets). The callbacks run shard-locally, inside `jax.shard_map`, on every device of the mesh; a
+offsets).
+
+Row slices: the plan streams a big leaf in row slices (`plan.Piece`) when its update is row-separable
+and its leading axis is not sharded. The NVMe tier then stores each slice's rows of every shard
+separately, as store leaves ``leaf{i}_part{j}_shard{s}_rows{start}-{stop}`` in the store group of the
+plan group that updates the slice, so a group's fetch and put move only its slice, and the store's
+buffers hold slices, not the whole leaf. The plan is the same whatever the tier, so a leaf on NVMe
+is updated in the same groups (and to the same bits) as on the host.
+
+The callbacks run shard-locally, inside `jax.shard_map`, on every device of the mesh; a
 `_Rendezvous` joins the calls of one process's devices into one store operation each, so in a
 jitted update each group with NVMe leaves costs one store fetch (served from the prefetch pool) and
 one store put (written behind), and each update one allocation and one commit of a generation.
@@ -73,6 +82,9 @@ def placeholder(x: Any) -> jax.Array:
 Region = tuple[tuple[int, int], ...]
 """A box of an array: (start, stop) per dimension."""
 
+Rows = tuple[int, int] | None
+"""The rows ``[start, stop)`` of a row slice of a leaf, or None for the whole leaf."""
+
 
 def shard_regions(
   sharding: jax.sharding.Sharding, shape: Sequence[int]
@@ -103,6 +115,29 @@ def _mesh_and_spec(sharding: Any, part_shape, param_shape) -> tuple[jax.sharding
   )
 
 
+def _check_sliceable(
+  key: tuple[int, int],
+  shape: Sequence[int],
+  param_shape: Sequence[int],
+  regions: Sequence[Region],
+  pieces: Sequence[tuple[int, int]],
+) -> None:
+  """Raises unless the row slices `pieces` tile the rows of every shard of an NVMe array."""
+  rows = param_shape[0] if len(param_shape) else 0
+  problem = None
+  if not len(shape) or shape[0] != rows:
+    problem = f"its shape {tuple(shape)} does not follow the param's rows ({rows})"
+  elif any(region[0] != (0, rows) for region in regions):
+    problem = "its leading axis is sharded"
+  elif [a for a, _ in pieces] != [0, *[b for _, b in pieces[:-1]]] or pieces[-1][1] != rows:
+    problem = f"the slices {list(pieces)} do not tile its {rows} rows"
+  if problem:
+    raise ValueError(
+      f"NvmeTier: leaf {key[0]} is updated in row slices, but its NVMe array {key[1]} cannot be "
+      f"stored in them: {problem}. Keep the leaf whole (a larger window_bytes) or off NVMe."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class _Array:
   """One NVMe-tier array: its place in the state, its sharding, and the shards this process stores."""
@@ -114,13 +149,24 @@ class _Array:
   regions: list[Region]  # all distinct shards
   number: dict[int, int]  # device id -> shard number
   local: list[int]  # the shard numbers this process stores
+  pieces: tuple[Rows, ...] = (None,)  # the row slices stored apart, in row order; (None,): whole
 
-  def name(self, shard: int) -> str:
+  def name(self, shard: int, rows: Rows = None) -> str:
     i, j = self.key
-    return f"leaf{i:05d}_part{j}_shard{shard:04d}"
+    name = f"leaf{i:05d}_part{j}_shard{shard:04d}"
+    return name if rows is None else f"{name}_rows{rows[0]:06d}-{rows[1]:06d}"
 
-  def shard_shape(self) -> tuple[int, ...]:
-    return tuple(b - a for a, b in self.regions[self.local[0]])
+  def region(self, shard: int, rows: Rows = None) -> Region:
+    """The box of the array that a shard's rows `rows` cover (the whole shard for None)."""
+    region = self.regions[shard]
+    return region if rows is None else (tuple(rows), *region[1:])
+
+  def shard_shape(self, rows: Rows = None) -> tuple[int, ...]:
+    return tuple(b - a for a, b in self.region(self.local[0], rows))
+
+  def stored(self) -> list[tuple[int, Rows]]:
+    """(shard, rows) of every store leaf of this array that this process holds."""
+    return [(s, rows) for s in self.local for rows in self.pieces]
 
 
 class _Rendezvous:
@@ -249,12 +295,19 @@ class NvmeTier:
 
   Args:
     directory: the store's directory (this process's).
-    groups: the plan's groups of leaf indices.
+    units: the plan's groups (`plan.Plan.units`): tuples of `plan.Piece`s, whole leaves or row
+      slices. The NVMe arrays of a sliced leaf are stored slice by slice, each slice in the store
+      group of the plan group that holds it.
     array_tiers: per leaf, the tier of each array of its state part (in `jax.tree.leaves` order).
     parts: abstract state parts per leaf (`jax.ShapeDtypeStruct` trees).
     param_shapes: per leaf, the param's shape.
     shardings: per leaf, the param's sharding (None: the first local device).
     **store_kwargs: passed to `NvmeStore` (prefetch_depth, write_depth, chunk_bytes).
+
+  Raises:
+    NotImplementedError: params whose state goes to NVMe are on different meshes.
+    ValueError: a sliced leaf has an NVMe array that does not follow its rows, or whose leading
+      axis is sharded.
   """
 
   layout: Any = None  # the `StateLayout` of the parameter tree, set by `offload`
@@ -263,13 +316,21 @@ class NvmeTier:
   def __init__(
     self,
     directory: str,
-    groups: Sequence[Sequence[int]],
+    units: Sequence[Sequence[plan_lib.Piece]],
     array_tiers: Sequence[Sequence[plan_lib.Tier]],
     parts: Sequence[Any],
     param_shapes: Sequence[tuple[int, ...]],
     shardings: Sequence[Any],
     **store_kwargs,
   ):
+    units = [tuple(unit) for unit in units]
+    slices: dict[int, list[tuple[int, int]]] = {}  # sliced leaf -> its row slices
+    for unit in units:
+      for piece in unit:
+        if not isinstance(piece, plan_lib.Piece):
+          raise TypeError(f"NvmeTier needs the plan's units (tuples of Piece), got {piece!r}.")
+        if not piece.whole:
+          slices.setdefault(piece.leaf, []).append((piece.start, piece.stop))
     self._arrays: dict[tuple[int, int], _Array] = {}
     self.part_defs = [jax.tree.structure(part) for part in parts]  # of each leaf's state part
     meshes = {}
@@ -283,8 +344,12 @@ class NvmeTier:
         local = sorted(
           {number[d.id] for d in mesh.devices.flat if d.process_index == jax.process_index()}
         )
+        pieces: tuple[Rows, ...] = (None,)
+        if i in slices:
+          pieces = tuple(sorted(slices[i]))
+          _check_sliceable((i, j), x.shape, param_shapes[i], regions, pieces)
         self._arrays[(i, j)] = _Array(
-          (i, j), tuple(x.shape), np.dtype(x.dtype), spec, regions, number, local
+          (i, j), tuple(x.shape), np.dtype(x.dtype), spec, regions, number, local, pieces
         )
     if len(meshes) > 1:
       raise NotImplementedError(
@@ -297,31 +362,35 @@ class NvmeTier:
     self._local_devices = [
       d for d in self.mesh.devices.flat if d.process_index == jax.process_index()
     ]
-    # Store groups: the plan's groups restricted to NVMe arrays, in update order; each holds the
-    # shards of its arrays that this process stores.
+    # Store groups: the plan's groups restricted to NVMe arrays, in update order. Each holds, for
+    # every piece of the group and every NVMe array of the piece's leaf, the piece's rows of the
+    # shards this process stores (a whole leaf's: its shards).
     self.groups: dict[int, int] = {}
-    self._members: list[list[tuple[int, int]]] = []
-    for k, group in enumerate(groups):
-      members = [key for i in group for key in sorted(self._arrays) if key[0] == i]
+    self._members: list[list[tuple[tuple[int, int], Rows]]] = []
+    for k, unit in enumerate(units):
+      leaves = [p.leaf for p in unit]
+      if len(set(leaves)) != len(leaves):
+        raise ValueError(f"NvmeTier: plan group {k} holds a leaf twice: {unit}.")
+      members = [
+        (key, None if piece.whole else (piece.start, piece.stop))
+        for piece in unit
+        for key in sorted(self._arrays)
+        if key[0] == piece.leaf
+      ]
       if members:
         self.groups[k] = len(self._members)
         self._members.append(members)
-    self._names = [
-      [a.name(s) for a in map(self._arrays.get, members) for s in a.local]
+    specs = [
+      [
+        nvme.LeafSpec(a.name(s, rows), a.shard_shape(rows), a.dtype)
+        for key, rows in members
+        for a in [self._arrays[key]]
+        for s in a.local
+      ]
       for members in self._members
     ]
-    self.store = nvme.NvmeStore(
-      directory,
-      [
-        [
-          nvme.LeafSpec(a.name(s), a.shard_shape(), a.dtype)
-          for a in map(self._arrays.get, m)
-          for s in a.local
-        ]
-        for m in self._members
-      ],
-      **store_kwargs,
-    )
+    self._names = [[spec.name for spec in group] for group in specs]
+    self.store = nvme.NvmeStore(directory, specs, **store_kwargs)
     self._rendezvous = _Rendezvous(self.store, len(self._local_devices))
     # Generations this tier makes are newer than any on disk when it opened the store; a state
     # naming an older one was made by another store (closed, or in another process).
@@ -353,34 +422,47 @@ class NvmeTier:
   def local_shards(
     self, key: tuple[int, int], generation: int
   ) -> list[tuple[Region, pathlib.Path]]:
-    """This process's shards of an NVMe array in a committed generation: (region, zarr3 directory)."""
+    """This process's stored parts of an NVMe array in a committed generation: (region, zarr3
+    directory) of each shard, or of each row slice of each shard for a leaf updated in slices."""
     a = self._arrays[key]
     gen = self.store.generation_path(generation)
-    return [(a.regions[s], gen / nvme._leaf_dirname(a.name(s))) for s in a.local]
+    return [
+      (a.region(s, rows), gen / nvme._leaf_dirname(a.name(s, rows))) for s, rows in a.stored()
+    ]
 
   def store_leaves(self, store_group: int) -> list[tuple[tuple[int, int], Region]]:
-    """The leaves of a store group, in store order: (NVMe array key, region of its shard)."""
+    """The leaves of a store group, in store order: (NVMe array key, the region it holds)."""
     return [
-      (key, self._arrays[key].regions[s])
-      for key in self._members[store_group]
+      (key, self._arrays[key].region(s, rows))
+      for key, rows in self._members[store_group]
       for s in self._arrays[key].local
     ]
 
   def write_group(self, plan_group: int, generation: int, parts: Mapping[int, Any]) -> None:
     """Queues one plan group's NVMe arrays of a generation (write-behind); `parts` by leaf index.
 
-    The arrays are global `jax.Array`s (this process's shards are read) or numpy arrays.
+    The arrays are global `jax.Array`s (this process's shards are read) or numpy arrays: for a
+    row slice of a leaf, the slice's rows (or the whole leaf's array, whose rows are taken), else
+    the whole array.
     """
     sg = self.groups[plan_group]
     arrays = []
-    for key, x in zip(self._members[sg], _select(parts, self._members[sg])):
+    for (key, rows), x in zip(self._members[sg], _select(parts, [k for k, _ in self._members[sg]])):
       a = self._arrays[key]
+      # The rows to take from `x`'s leading axis: none to take when `x` holds just the slice.
+      take = rows if rows is not None and np.shape(x)[0] == a.shape[0] else None
       if isinstance(x, jax.Array) and not x.is_fully_addressable:
         by_shard = {a.number[sh.device.id]: sh.data for sh in x.addressable_shards}
-        arrays += [np.asarray(by_shard[s]) for s in a.local]
+        for s in a.local:
+          shard = np.asarray(by_shard[s])
+          arrays.append(shard if take is None else shard[take[0] : take[1]])
       else:
         x = np.asarray(x)
-        arrays += [x[tuple(slice(*r) for r in a.regions[s])] for s in a.local]
+        for s in a.local:
+          box = a.region(s, rows)
+          if rows is not None and take is None:
+            box = ((0, rows[1] - rows[0]), *box[1:])
+          arrays.append(x[tuple(slice(*r) for r in box)])
     self.store.put(sg, generation, arrays)
 
   def commit(self, generation: int) -> None:
@@ -397,10 +479,15 @@ class NvmeTier:
     stored = self.store.read_generation(int(np.asarray(generation)))
     arrays = {}
     for key, a in self._arrays.items():
+      data = {}  # shard number -> its data (a sliced leaf's slices joined)
+      for s in a.local:
+        if a.pieces == (None,):
+          data[s] = stored.pop(a.name(s))
+        else:
+          data[s] = np.concatenate([stored.pop(a.name(s, rows)) for rows in a.pieces])
       shards = [
         jax.device_put(
-          stored[a.name(a.number[d.id])],
-          jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind),
+          data[a.number[d.id]], jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind)
         )
         for d in self._local_devices
       ]
@@ -533,34 +620,52 @@ class NvmeTier:
   def fetch(
     self, plan_group: int, token: jax.Array
   ) -> tuple[dict[tuple[int, int], Any], jax.Array]:
-    """The group's NVMe arrays of the parent generation (global, sharded like their params)."""
+    """The group's NVMe arrays of the parent generation (global, sharded like their params).
+
+    For a row slice of a leaf, each array holds the slice's rows (its leading axis is the
+    slice's); for a whole leaf, the whole array.
+    """
     sg = self.groups[plan_group]
-    members = [self._arrays[k] for k in self._members[sg]]
-    shapes = [jax.ShapeDtypeStruct(a.shard_shape(), a.dtype) for a in members]
+    members = [(self._arrays[key], rows) for key, rows in self._members[sg]]
+    shapes = [jax.ShapeDtypeStruct(a.shard_shape(rows), a.dtype) for a, rows in members]
 
     def _fetch(device, token):
       tier = self._resolve(int(token[2]))
       arrays = tier._rendezvous.fetch(device, sg, int(token[0]), self._names[sg])
-      return [np.asarray(token), *[np.asarray(arrays[a.name(a.number[device])]) for a in members]]
+      return [
+        np.asarray(token),
+        *[np.asarray(arrays[a.name(a.number[device], rows)]) for a, rows in members],
+      ]
 
-    out_specs = [P(), *[a.spec for a in members]]
+    out_specs = [P(), *[a.spec for a, _ in members]]
     token, *flat = self._shard_local(_fetch, [_TOKEN, *shapes], out_specs, token, in_specs=(P(),))
-    return dict(zip(self._members[sg], flat)), token
+    return dict(zip([key for key, _ in self._members[sg]], flat)), token
 
   def put(self, plan_group: int, token: jax.Array, parts: Mapping[int, Any]) -> jax.Array:
-    """Hands the group's new arrays (of the child generation) to the writer thread."""
+    """Hands the group's new arrays (of the child generation) to the writer thread.
+
+    `parts` holds, by leaf index, the state parts of the group's leaves, shaped as `fetch` returns
+    them: a row slice's rows, or a whole leaf's arrays.
+    """
     sg = self.groups[plan_group]
-    members = [self._arrays[k] for k in self._members[sg]]
+    members = [(self._arrays[key], rows) for key, rows in self._members[sg]]
 
     def _put(device, token, *shards):
-      arrays = {a.name(a.number[device]): x for a, x in zip(members, shards)}
+      arrays = {a.name(a.number[device], rows): x for (a, rows), x in zip(members, shards)}
       tier = self._resolve(int(token[2]))
       tier._rendezvous.put(device, sg, int(token[1]), arrays, self._names[sg])
       return np.asarray(token)
 
-    flat = _select(parts, self._members[sg])
+    flat = _select(parts, [key for key, _ in self._members[sg]])
+    for (a, rows), x in zip(members, flat):
+      want = a.shape if rows is None else (rows[1] - rows[0], *a.shape[1:])
+      if tuple(jnp.shape(x)) != want:
+        raise ValueError(
+          f"NvmeTier.put: NVMe array {a.key} of plan group {plan_group} has shape "
+          f"{tuple(jnp.shape(x))}, expected {want} (rows {rows})."
+        )
     return self._shard_local(
-      _put, _TOKEN, P(), token, *flat, in_specs=(P(), *[a.spec for a in members])
+      _put, _TOKEN, P(), token, *flat, in_specs=(P(), *[a.spec for a, _ in members])
     )
 
   def commit_traced(self, token: jax.Array) -> jax.Array:

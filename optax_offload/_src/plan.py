@@ -153,9 +153,9 @@ class LeafInfo:
     process_bytes: bytes of that state held by this process: every local device's shard (a replicated
       leaf once per local device); what `host_limit` counts. Defaults to `state_bytes`.
     rows: length of the leading axis when the leaf's update may be split along it (the inner
-      update of a row slice equals that slice of the whole update, the axis is not sharded and the
-      state is in host memory), else 0. A leaf whose state exceeds a group's share of the window is
-      then streamed in row slices.
+      update of a row slice equals that slice of the whole update and the axis is not sharded),
+      else 0. A leaf whose state exceeds a group's share of the window is then streamed in row
+      slices, whichever tier holds it (the NVMe tier stores the slices apart).
   """
 
   path: str
@@ -252,8 +252,9 @@ def make_plan(
       order, until the rest fits;
     * groups hold at most ``window_bytes / WINDOW_SLOTS`` of offloaded state each, so that the
       group being updated, the one in transit and the update's temporaries fit in the window
-      together. A host-tier leaf larger than that whose `LeafInfo.rows` allows it is split into
-      near-equal row slices, each a group of its own; any other leaf larger than that is a group
+      together. An offloaded leaf larger than that whose `LeafInfo.rows` allows it is split into
+      near-equal row slices, each a group of its own, whatever its tier (host or NVMe: the groups,
+      and so the results, do not depend on the tier); any other leaf larger than that is a group
       of its own (and exceeds the window). Leaves above a quarter of that are groups of their own;
       smaller ones are grouped, in leaf order, up to a quarter of it (`GROUP_SHARE`).
 
@@ -278,6 +279,9 @@ def make_plan(
     >>> stacked = [LeafInfo("layers", 32 * 1024, 32 * 8192, rows=32)]
     >>> [(u[0].start, u[0].stop) for u in make_plan(stacked, min_size=1, window_bytes=73728).units]
     [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 24), (24, 28), (28, 32)]
+    >>> on_nvme = make_plan(stacked, min_size=1, window_bytes=73728, host_limit=0, nvme=True)
+    >>> on_nvme.tiers[0].value, on_nvme.units == make_plan(stacked, min_size=1, window_bytes=73728).units
+    ('nvme', True)
   """
   tiers = [Tier.DEVICE if leaf.size < min_size else Tier.HOST for leaf in leaves]
   host_bytes = sum(leaf.held_bytes for leaf, t in zip(leaves, tiers) if t is Tier.HOST)
@@ -312,7 +316,7 @@ def _pieces(leaves: Sequence[LeafInfo], tiers: Sequence[Tier], budget: int) -> l
   pieces = []
   for i, (leaf, tier) in enumerate(zip(leaves, tiers)):
     nbytes = 0 if tier is Tier.DEVICE else leaf.state_bytes
-    if nbytes <= budget or tier is not Tier.HOST or leaf.rows < 2:
+    if nbytes <= budget or leaf.rows < 2:
       pieces.append(Piece(i))
       continue
     n = min(leaf.rows, -(-nbytes // budget))
