@@ -10,34 +10,17 @@ transfers. Runs are interleaved (plain, offloaded, plain, ...) so drift hits bot
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
-import time
+import sys
 
 import jax
-import jax.numpy as jnp
 import optax
 
 import optax_offload as oo
 
-
-def make_tree(total: float, leaves: int, dtype=jnp.float32) -> dict:
-  cols = 2048
-  rows = max(int(total / leaves / cols), 1)
-  keys = jax.random.split(jax.random.key(0), leaves)
-  return {
-    f"layer_{i:02d}": jax.random.normal(k, (rows, cols), dtype) * 0.02 for i, k in enumerate(keys)
-  }
-
-
-def make_step(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return jax.jit(step, donate_argnums=(0, 1))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import _common  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -49,9 +32,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--out", default="bench_out/host_tier.json")
   args = parser.parse_args(argv)
 
-  params = make_tree(args.params, args.leaves)
-  grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
-  n = sum(p.size for p in jax.tree.leaves(params))
+  params = _common.make_tree(args.params, args.leaves)
+  grads = _common.fixed_grads(params)
+  n = _common.num_params(params)
   state_bytes = 2 * 4 * n
   window = 2 * state_bytes // args.groups  # each group holds window/2
   variants = {
@@ -59,23 +42,8 @@ def main(argv=None) -> dict:
     "offload": oo.offload(optax.adamw(1e-3), window_bytes=window),
     "offload_one_group": oo.offload(optax.adamw(1e-3), window_bytes=4 * state_bytes),
   }
-  runs = {}
-  for name, tx in variants.items():
-    p = jax.tree.map(jnp.copy, params)
-    s = tx.init(p)
-    step = make_step(tx)
-    p, s = step(p, s, grads)  # compile and warm up
-    jax.block_until_ready((p, s))
-    runs[name] = [step, p, s, []]
-  for _ in range(args.reps):
-    for run in runs.values():
-      step, p, s, times = run
-      t0 = time.perf_counter()
-      p, s = step(p, s, grads)
-      jax.block_until_ready((p, s))
-      times.append(time.perf_counter() - t0)
-      run[1], run[2] = p, s
-  medians = {name: statistics.median(run[3]) for name, run in runs.items()}
+  runs = _common.time_variants(variants, params, grads, args.reps)
+  medians = {name: run.median() for name, run in runs.items()}
   result = {
     "benchmark": "host_tier",
     "backend": jax.default_backend(),
@@ -89,7 +57,7 @@ def main(argv=None) -> dict:
     "median_s": medians,
     "ratio_offload_vs_plain": medians["offload"] / medians["plain"],
     "ratio_one_group_vs_plain": medians["offload_one_group"] / medians["plain"],
-    "footprint_offload": oo.footprint(runs["offload"][2]),
+    "footprint_offload": oo.footprint(runs["offload"].state),
   }
   for name, m in medians.items():
     print(f"{name:>18}: median {m * 1e3:8.2f} ms")
@@ -97,10 +65,7 @@ def main(argv=None) -> dict:
     f"offload / plain          = {result['ratio_offload_vs_plain']:.3f}  ({args.groups} groups)"
   )
   print(f"offload(1 group) / plain = {result['ratio_one_group_vs_plain']:.3f}")
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  return result
+  return _common.write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ per fp32 parameter), timed against a large array copy measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
+import sys
 import time
 
 import jax
@@ -22,6 +22,9 @@ import jax.numpy as jnp
 import optax
 
 import optax_offload as oo
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import _common  # noqa: E402
 
 BYTES_PER_PARAM = 28  # read p, g, mu, nu; write p, mu, nu (fp32)
 
@@ -50,43 +53,18 @@ def main(argv=None) -> dict:
   parser.add_argument("--out", default="bench_out/host_update.json")
   args = parser.parse_args(argv)
 
-  cols = 2048
-  rows = max(int(args.params / args.leaves / cols), 1)
-  keys = jax.random.split(jax.random.key(0), args.leaves)
-  params = {f"layer_{i:02d}": jax.random.normal(k, (rows, cols)) * 0.02 for i, k in enumerate(keys)}
-  grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
-  n = sum(p.size for p in jax.tree.leaves(params))
-
+  params = _common.make_tree(args.params, args.leaves)
+  grads = _common.fixed_grads(params)
+  n = _common.num_params(params)
   variants = {
     "plain_optax": optax.adamw(1e-3),
     "offload_host_update": oo.offload(optax.adamw(1e-3), update_on="host"),
     "offload_device_update": oo.offload(optax.adamw(1e-3)),
   }
-  runs = {}
-  for name, tx in variants.items():
-
-    def step(p, s, g, tx=tx):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
-    fn = jax.jit(step, donate_argnums=(0, 1))
-    p = jax.tree.map(jnp.copy, params)
-    s = tx.init(p)
-    p, s = fn(p, s, grads)
-    jax.block_until_ready((p, s))
-    runs[name] = [fn, p, s, [], []]
-  for _ in range(args.reps):  # interleaved, so drift hits every variant alike
-    for run in runs.values():
-      fn, p, s, wall, cpu = run
-      c0, t0 = time.process_time(), time.perf_counter()
-      p, s = fn(p, s, grads)
-      jax.block_until_ready((p, s))
-      wall.append(time.perf_counter() - t0)
-      cpu.append(time.process_time() - c0)
-      run[1], run[2] = p, s
+  runs = _common.time_variants(variants, params, grads, args.reps)
   bandwidth = copy_bandwidth(min(n * 4, 1 << 30))
   bound = n * BYTES_PER_PARAM / bandwidth
-  med = {name: statistics.median(run[3]) for name, run in runs.items()}
+  med = {name: run.median() for name, run in runs.items()}
   result = {
     "benchmark": "host_update",
     "backend": jax.default_backend(),
@@ -94,7 +72,7 @@ def main(argv=None) -> dict:
     "params": n,
     "reps": args.reps,
     "median_s": med,
-    "cpu_over_wall": {name: sum(run[4]) / sum(run[3]) for name, run in runs.items()},
+    "cpu_over_wall": {name: run.total("cpu_s") / run.total("step_s") for name, run in runs.items()},
     "copy_bandwidth_GBps": bandwidth / 1e9,
     "bandwidth_bound_s": bound,
     "ratio_host_update_vs_plain": med["offload_host_update"] / med["plain_optax"],
@@ -108,10 +86,7 @@ def main(argv=None) -> dict:
   print(f"{'bandwidth bound':>22}: {bound * 1e3:8.2f} ms  ({bandwidth / 1e9:.1f} GB/s copy)")
   print(f"host update / plain optax = {result['ratio_host_update_vs_plain']:.3f}")
   print(f"plain optax / bound       = {result['ratio_plain_vs_bound']:.2f}")
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  return result
+  return _common.write_json(result, args.out)
 
 
 if __name__ == "__main__":

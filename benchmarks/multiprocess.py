@@ -24,6 +24,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import _common  # noqa: E402
+
 TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests")
 CHILD = os.path.join(TESTS, "multiprocess_child.py")
 
@@ -127,10 +130,7 @@ def main(argv=None) -> dict:
   print(f"footprint, 1 process:   {result['footprint_one_process']}")
   for i, p in enumerate(two):
     print(f"footprint, process {i}/2: {p['footprint']}")
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  return result
+  return _common.write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -29,40 +29,34 @@ memory bound fits in the available RAM, and refuses otherwise (``--dry-run`` onl
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import shutil
 import statistics
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import nvme_tier as bench  # noqa: E402  (helpers: RSS, cache eviction, raw disk)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import _common  # noqa: E402
+from benchmarks._common import COLS  # noqa: E402
+from benchmarks._common import GB  # noqa: E402
+from benchmarks._common import GIB  # noqa: E402
 
-GB = 1e9
-GIB = 1 << 30
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 _RUNTIME_BYTES = 512 << 20  # the JAX runtime and compiled programs: ~0.25 GiB measured, with margin
 _GENERATIONS = 3  # the store keeps the committed and previous generations and writes the next
 
 
 def _meminfo(field: str) -> int:
-  with open("/proc/meminfo") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1]) * 1024
-  raise KeyError(field)
+  return _common.proc_status(field, "/proc/meminfo") * 1024
 
 
 def plan(args) -> dict:
   """Sizes of everything, from the flags alone (nothing is allocated)."""
   itemsize = 4 if args.dtype == "fp32" else 2
-  rows = max(int(args.params / args.leaves / bench._COLS), 1)
-  n = rows * bench._COLS * args.leaves
+  rows = max(int(args.params / args.leaves / COLS), 1)
+  n = rows * COLS * args.leaves
   # mu fp32 + nu in the params' dtype; with --master, an fp32 master copy and nu in fp32 as well.
   state_per_param = 12 if args.master else 4 + itemsize
-  leaf_state = rows * bench._COLS * state_per_param
+  leaf_state = rows * COLS * state_per_param
   group_budget = max(args.group_mb << 20, leaf_state)
   leaves_per_group = max(group_budget // leaf_state, 1)
   group_bytes = leaves_per_group * leaf_state
@@ -87,7 +81,7 @@ def plan(args) -> dict:
   p["disk_needed"] = _GENERATIONS * p["state_bytes"]
   p["ram_total"] = _meminfo("MemTotal")
   p["ram_available"] = _meminfo("MemAvailable")
-  p["disk_free"] = bench.disk_free_bytes(args.dir)
+  p["disk_free"] = _common.disk_free_bytes(args.dir)
   p["state_exceeds_ram"] = p["state_bytes"] > p["ram_total"]
   p["model_exceeds_ram"] = p["state_bytes"] + p["params_bytes"] + p["grads_bytes"] > p["ram_total"]
   return p
@@ -128,15 +122,11 @@ def run(args, p: dict) -> dict:
   import optax
 
   import optax_offload as oo
-  from optax_offload._src import nvme_tier
 
-  dtype = jnp.dtype(_DTYPES[args.dtype])
   jax.block_until_ready(jnp.zeros(8) + 1)
-  rss_runtime = bench.rss_bytes()
-  params = {
-    f"layer_{i:03d}": jnp.full((p["rows"], bench._COLS), 0.02, dtype) for i in range(args.leaves)
-  }
-  grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), params)
+  rss_runtime = _common.rss_bytes()
+  params = _common.make_tree(args.params, args.leaves, jnp.dtype(_DTYPES[args.dtype]), random=False)
+  grads = _common.fixed_grads(params)
   jax.block_until_ready((params, grads))
   directory = os.path.join(args.dir, "store")
   shutil.rmtree(args.dir, ignore_errors=True)
@@ -148,51 +138,21 @@ def run(args, p: dict) -> dict:
     window_bytes=p["window_bytes"],
     master_dtype=jnp.float32 if args.master else None,
   )
+  state = None
   try:
-    t0 = time.perf_counter()
-    state = tx.init(params)
-    oo.sync_nvme(state)
-    init_s = time.perf_counter() - t0
-    store = nvme_tier.lookup(state.nvme_store).store
+    state, store, init_s = _common.init_nvme(tx, params)
     fp = oo.footprint(state)
-    peak_init = bench.peak_rss_bytes()
+    peak_init = _common.peak_rss_bytes()
     print(f"init: {init_s:.1f} s, footprint {fp}, peak RSS {peak_init / GIB:.2f} GiB", flush=True)
-    step = bench.make_step(tx)
-    steps = []
-    with bench.RssSampler() as sampler:
-      for i in range(args.steps + 1):  # the first one compiles
-        oo.sync_nvme(state)
-        bench.evict_cache(directory, args.cache)
-        c0, f0 = bench.cpu_seconds(), bench.minor_faults()
-        t0 = time.perf_counter()
-        params, state = step(params, state, grads)
-        jax.block_until_ready((params, state))
-        t1 = time.perf_counter()
-        oo.sync_nvme(state)
-        t2 = time.perf_counter()
-        steps.append(
-          {
-            "step_s": t2 - t0,
-            "step_return_s": t1 - t0,
-            "cpu_s": bench.cpu_seconds() - c0,
-            "minor_fault_bytes": (bench.minor_faults() - f0) * resource.getpagesize(),
-            "rss_now": bench.rss_bytes(),
-          }
-        )
-        print(
-          f"step {i}{' (compiles)' if i == 0 else ''}: {t2 - t0:.1f} s (returns after {t1 - t0:.1f} s), "
-          f"CPU {steps[-1]['cpu_s']:.1f} s, RSS {bench.rss_bytes() / GIB:.2f} GiB",
-          flush=True,
-        )
-    peak = bench.peak_rss_bytes()  # whole process: init, compilation and every step
+    with _common.RssSampler() as sampler:
+      state, steps = _steps(_common.make_step(tx), params, state, grads, directory, args)
+    peak = _common.peak_rss_bytes()  # whole process: init, compilation and every step
     stats = store.stats
     bound = store.host_buffer_bound
     generation = int(state.nvme_generation)
   finally:
-    try:
+    if state is not None:
       oo.close_nvme(state)
-    except NameError:
-      pass
     if not args.keep:
       shutil.rmtree(args.dir, ignore_errors=True)
 
@@ -227,9 +187,28 @@ def run(args, p: dict) -> dict:
       "assumes": "step time linear in NVMe state bytes (same disk, load and group size)",
     },
     "cache": args.cache,
-    "load": bench.load(),
-    "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+    "load": _common.load(),
+    "malloc_env": _common.malloc_env(),
   }
+
+
+def _steps(step, params, state, grads, directory: str, args):
+  """`args.steps` + 1 steps (the first compiles), each from a cold page cache and made durable."""
+  import optax_offload as oo
+
+  steps = []
+  for i in range(args.steps + 1):
+    oo.sync_nvme(state)
+    _common.evict_cache(directory, args.cache)
+    params, state, rec = _common.timed_step(step, params, state, grads, oo.sync_nvme)
+    steps.append({**rec, "rss_now": _common.rss_bytes()})
+    print(
+      f"step {i}{' (compiles)' if i == 0 else ''}: {rec['step_s']:.1f} s (returns after "
+      f"{rec['step_return_s']:.1f} s), CPU {rec['cpu_s']:.1f} s, RSS "
+      f"{steps[-1]['rss_now'] / GIB:.2f} GiB",
+      flush=True,
+    )
+  return state, steps
 
 
 def main(argv=None) -> dict:
@@ -266,10 +245,7 @@ def main(argv=None) -> dict:
     f"for 2B params: step {proj['step_s'] / 60:.1f} min, init {proj['init_s'] / 60:.1f} min; load "
     f"{result['load']['loadavg']}"
   )
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  return result
+  return _common.write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -39,230 +39,161 @@ Figures (JSON), per size and for the ``--state-gb`` size as the headline:
     python benchmarks/nvme_tier.py --state-gb 2 --sizes 0.5,1,2 --out bench_out/nvme_tier.json
 
 Sizes are decimal GB of Adam state (mu + nu, fp32: 8 bytes per parameter). Data goes under ``--dir``
-(default ``/work/bench_nvme``; put it on the disk under test, not on tmpfs) and is deleted afterwards.
+(default ``bench_out/nvme_data``; put it on the disk under test, not on tmpfs) and is deleted afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import dataclasses
 import json
-import mmap
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from typing import Any
 
-GB = 1e9
-_COLS = 2048
-
-
-# -- process memory ------------------------------------------------------------------------------------
-
-
-def _status_kib(field: str) -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1])
-  raise KeyError(field)
-
-
-def rss_bytes() -> int:
-  """Resident set size of this process now."""
-  return _status_kib("VmRSS") * 1024
-
-
-def peak_rss_bytes() -> int:
-  """Peak resident set size since the process started or since `reset_peak_rss`."""
-  return _status_kib("VmHWM") * 1024
-
-
-def cpu_seconds() -> float:
-  """CPU time of this process, all threads (user + system)."""
-  t = os.times()
-  return t.user + t.system
-
-
-def minor_faults() -> int:
-  """Page faults served without I/O so far: mostly first touches of freshly allocated memory."""
-  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def _malloc_trim_rss() -> int | None:
-  """RSS after glibc's ``malloc_trim(0)`` (freed memory handed back to the OS), or None without glibc."""
-  try:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-  except (OSError, AttributeError):
-    return None
-  return rss_bytes()
-
-
-def reset_peak_rss() -> bool:
-  """Resets the kernel's peak-RSS counter (``VmHWM``) to the current RSS; False if not allowed."""
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
-
-
-class RssSampler:
-  """Samples ``VmRSS`` on a thread; `peak` is the largest value seen (a cross-check of ``VmHWM``)."""
-
-  def __init__(self, interval_s: float = 0.005):
-    self.interval_s = interval_s
-    self.peak = 0
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-
-  def _run(self):
-    while not self._stop.is_set():
-      self.peak = max(self.peak, rss_bytes())
-      self._stop.wait(self.interval_s)
-
-  def __enter__(self) -> RssSampler:
-    self.peak = rss_bytes()
-    self._thread.start()
-    return self
-
-  def __exit__(self, *exc):
-    self._stop.set()
-    self._thread.join()
-
-
-# -- disk ----------------------------------------------------------------------------------------------
-
-
-def evict_cache(directory: str, method: str) -> None:
-  """Drops `directory`'s files from the page cache, so the next reads come from the disk.
-
-  ``"fadvise"``: ``POSIX_FADV_DONTNEED`` on every file (drops clean pages only: call once the data is
-  durable); ``"drop"``: ``sync`` and ``echo 3 > /proc/sys/vm/drop_caches`` (root; whole machine);
-  ``"none"``: nothing.
-  """
-  if method == "none":
-    return
-  if method == "drop":
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-      f.write("3\n")
-    return
-  for root, _, files in os.walk(directory):
-    for name in files:
-      try:
-        fd = os.open(os.path.join(root, name), os.O_RDONLY)
-      except FileNotFoundError:  # a generation deleted meanwhile
-        continue
-      try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-      finally:
-        os.close(fd)
-
-
-class RawDisk:
-  """Sequential ``O_DIRECT`` bandwidth of the disk holding `directory` (what fio would report).
-
-  Each of `threads` threads moves `block`-byte blocks (strided, so the file is covered in order) from
-  its own page-aligned mmap buffer: `threads` requests in flight.
-  """
-
-  def __init__(self, directory: str, block: int, threads: int):
-    self.path = os.path.join(directory, "raw_odirect.bin")
-    self.block, self.threads = block, threads
-    self._buffers = [mmap.mmap(-1, block) for _ in range(threads)]
-    for buf in self._buffers:  # incompressible data, in case the device compresses
-      buf.write(os.urandom(block))
-
-  def measure(self, nbytes: int) -> dict[str, float]:
-    """Writes (with ``fdatasync``) then reads a file of about `nbytes`; bytes per second each way."""
-    n = max(1, -(-nbytes // self.block))
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    try:
-
-      def run(io):
-        with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
-          list(pool.map(io, range(self.threads)))
-
-      def write(t):
-        for i in range(t, n, self.threads):
-          os.pwrite(fd, self._buffers[t], i * self.block)
-
-      def read(t):
-        for i in range(t, n, self.threads):
-          os.preadv(fd, [self._buffers[t]], i * self.block)
-
-      t0 = time.perf_counter()
-      run(write)
-      os.fdatasync(fd)
-      t1 = time.perf_counter()
-      run(read)
-      t2 = time.perf_counter()
-    finally:
-      os.close(fd)
-      os.unlink(self.path)
-    total = n * self.block
-    return {"bytes": total, "write_Bps": total / (t1 - t0), "read_Bps": total / (t2 - t1)}
-
-
-def disk_free_bytes(directory: str) -> int:
-  d = directory
-  while not os.path.exists(d):
-    d = os.path.dirname(d) or "."
-  return shutil.disk_usage(d).free
-
-
-def load() -> dict[str, object]:
-  """Load averages and, where the kernel has it, I/O pressure (others' I/O slows ours)."""
-  out: dict[str, object] = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
-  try:
-    with open("/proc/pressure/io") as f:
-      out["io_pressure"] = f.readline().strip()
-  except OSError:
-    pass
-  return out
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import _common  # noqa: E402
+from benchmarks._common import GB  # noqa: E402
 
 # -- the tier step -------------------------------------------------------------------------------------
 
 
-def make_tree(num_params: float, leaves: int, dtype) -> dict:
-  """`leaves` equal (rows, 2048) leaves, about `num_params` in all (constant values: I/O is the point)."""
-  import jax.numpy as jnp
+@dataclasses.dataclass
+class _Tier:
+  """One state size's NVMe-tier run: the step, its arrays, and what init and warm-up took."""
 
-  rows = max(int(num_params / leaves / _COLS), 1)
-  return {f"layer_{i:02d}": jnp.full((rows, _COLS), 0.02 + 1e-4 * i, dtype) for i in range(leaves)}
-
-
-def make_step(tx):
-  import jax
-  import optax
-
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return jax.jit(step, donate_argnums=(0, 1))
-
-
-def tree_bytes(tree) -> int:
-  import jax
-
-  return sum(x.nbytes for x in jax.tree.leaves(tree))
+  step: Any
+  params: Any
+  grads: Any
+  state: Any
+  store: Any
+  raw: _common.RawDisk
+  footprint: dict
+  directory: str
+  params_count: int
+  state_bytes: int
+  host_limit: int
+  window: int
+  init_s: float
+  warmup_s: float
 
 
 def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
   keep = ("buffer_bytes", "peak_buffer_bytes")
   return {k: (v if k in keep else v - before.get(k, 0)) for k, v in after.items()}
+
+
+def _start(state_gb: float, args) -> _Tier:
+  """Builds the tree and the tier in a fresh directory, checks the disk, inits and warms up."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import optax_offload as oo
+
+  params = _common.make_tree(state_gb * GB / 8, args.leaves, jnp.float32, random=False)
+  grads = _common.fixed_grads(params)
+  jax.block_until_ready((params, grads))
+  n = _common.num_params(params)
+  leaf_state = 8 * next(iter(params.values())).size
+  state_bytes = 8 * n
+  host_limit = args.host_leaves * leaf_state
+  window = max(2 * state_bytes // args.groups, 1)
+  directory = os.path.join(args.dir, f"state_{state_gb:g}gb")
+  shutil.rmtree(directory, ignore_errors=True)
+  os.makedirs(directory)
+  need = 4 * state_bytes + state_bytes  # store: up to 4 generations; raw file: 1 more
+  if _common.disk_free_bytes(directory) < need:
+    raise SystemExit(
+      f"{directory}: needs {need / GB:.1f} GB free, has "
+      f"{_common.disk_free_bytes(directory) / GB:.1f}."
+    )
+  raw = _common.RawDisk(directory, args.block_mib << 20, args.threads)
+  tx = oo.offload(
+    optax.adamw(1e-3),
+    host_limit=host_limit,
+    nvme_dir=os.path.join(directory, "store"),
+    window_bytes=window,
+    nvme_options=_nvme_options(args),
+  )
+  state, store, init_s = _common.init_nvme(tx, params)
+  fp = oo.footprint(state)
+  step = _common.make_step(tx)
+  t0 = time.perf_counter()
+  params, state = step(params, state, grads)  # compile, warm up
+  jax.block_until_ready((params, state))
+  oo.sync_nvme(state)
+  warmup_s = time.perf_counter() - t0
+  return _Tier(
+    step=step,
+    params=params,
+    grads=grads,
+    state=state,
+    store=store,
+    raw=raw,
+    footprint=fp,
+    directory=directory,
+    params_count=n,
+    state_bytes=state_bytes,
+    host_limit=host_limit,
+    window=window,
+    init_s=init_s,
+    warmup_s=warmup_s,
+  )
+
+
+def _nvme_options(args) -> dict:
+  return {
+    "prefetch_depth": args.prefetch_depth,
+    "write_depth": args.write_depth,
+    "chunk_bytes": args.chunk_mib << 20,
+  }
+
+
+def _timed_rep(t: _Tier, cache: str) -> dict:
+  """One (raw disk, evict, step) triple: the step's figures against the disk measured just before."""
+  import optax_offload as oo
+
+  nvme = t.footprint["nvme"]
+  disk = t.raw.measure(nvme)
+  oo.sync_nvme(t.state)
+  _common.evict_cache(t.directory, cache)
+  before = t.store.stats
+  t.params, t.state, rec = _common.timed_step(t.step, t.params, t.state, t.grads, oo.sync_nvme)
+  stats = _delta(t.store.stats, before)
+  bound = stats["bytes_read"] / disk["read_Bps"] + stats["bytes_written"] / disk["write_Bps"]
+  nominal = nvme / disk["read_Bps"] + nvme / disk["write_Bps"]
+  return {
+    "raw_write_GBps": disk["write_Bps"] / GB,
+    "raw_read_GBps": disk["read_Bps"] / GB,
+    **rec,
+    "io_lower_bound_s": bound,
+    "step_over_io_bound": rec["step_s"] / bound,
+    "moved_over_raw": nominal / rec["step_s"],
+    "stats": stats,
+  }
+
+
+def _warm_step_s(t: _Tier, steps: int) -> float | None:
+  """Seconds per step back to back, no eviction: what the page cache gives when the state fits."""
+  import jax
+
+  import optax_offload as oo
+
+  if not steps:
+    return None
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    t.params, t.state = t.step(t.params, t.state, t.grads)
+  jax.block_until_ready((t.params, t.state))
+  oo.sync_nvme(t.state)
+  return (time.perf_counter() - t0) / steps
 
 
 def run_size(state_gb: float, args) -> dict:
@@ -272,121 +203,60 @@ def run_size(state_gb: float, args) -> dict:
   import optax
 
   import optax_offload as oo
-  from optax_offload._src import nvme_tier
 
   jax.block_until_ready(jnp.zeros(8) + 1)  # start the runtime before the baseline
-  rss_runtime = rss_bytes()
-  params = make_tree(state_gb * GB / 8, args.leaves, jnp.float32)
-  grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
-  jax.block_until_ready((params, grads))
-  n = sum(p.size for p in jax.tree.leaves(params))
-  leaf_state = 8 * next(iter(params.values())).size
-  state_bytes = 8 * n
-  host_limit = args.host_leaves * leaf_state
-  window = max(2 * state_bytes // args.groups, 1)
-  directory = os.path.join(args.dir, f"state_{state_gb:g}gb")
-  shutil.rmtree(directory, ignore_errors=True)
-  os.makedirs(directory)
-  need = 4 * state_bytes + state_bytes  # store: up to 4 generations; raw file: 1 more
-  if disk_free_bytes(directory) < need:
-    raise SystemExit(
-      f"{directory}: needs {need / GB:.1f} GB free, has {disk_free_bytes(directory) / GB:.1f}."
-    )
-  raw = RawDisk(directory, args.block_mib << 20, args.threads)
-  tx = oo.offload(
-    optax.adamw(1e-3),
-    host_limit=host_limit,
-    nvme_dir=os.path.join(directory, "store"),
-    window_bytes=window,
-    nvme_options={
-      "prefetch_depth": args.prefetch_depth,
-      "write_depth": args.write_depth,
-      "chunk_bytes": args.chunk_mib << 20,
-    },
-  )
-  t0 = time.perf_counter()
-  state = tx.init(params)
-  oo.sync_nvme(state)
-  init_s = time.perf_counter() - t0
-  store = nvme_tier.lookup(state.nvme_store).store
-  fp = oo.footprint(state)
-  step = make_step(tx)
-  t0 = time.perf_counter()
-  params, state = step(params, state, grads)  # compile, warm up
-  jax.block_until_ready((params, state))
-  oo.sync_nvme(state)
-  warmup_s = time.perf_counter() - t0
-  rss_before_steps = rss_bytes()
-  peak_before_steps = peak_rss_bytes()  # includes init and compilation
-
-  reps = []
-  peak_reset = reset_peak_rss()
-  with RssSampler() as sampler:
-    for _ in range(args.reps):
-      disk = raw.measure(fp["nvme"])
-      oo.sync_nvme(state)
-      evict_cache(directory, args.cache)
-      before = store.stats
-      c0, f0 = cpu_seconds(), minor_faults()
-      t0 = time.perf_counter()
-      params, state = step(params, state, grads)
-      jax.block_until_ready((params, state))
-      t1 = time.perf_counter()
-      oo.sync_nvme(state)
-      t2 = time.perf_counter()
-      cpu_s, faults = cpu_seconds() - c0, minor_faults() - f0
-      stats = _delta(store.stats, before)
-      bound = stats["bytes_read"] / disk["read_Bps"] + stats["bytes_written"] / disk["write_Bps"]
-      nominal = fp["nvme"] / disk["read_Bps"] + fp["nvme"] / disk["write_Bps"]
-      reps.append(
-        {
-          "raw_write_GBps": disk["write_Bps"] / GB,
-          "raw_read_GBps": disk["read_Bps"] / GB,
-          "step_s": t2 - t0,
-          "step_return_s": t1 - t0,
-          "cpu_s": cpu_s,
-          "minor_fault_bytes": faults * resource.getpagesize(),
-          "io_lower_bound_s": bound,
-          "step_over_io_bound": (t2 - t0) / bound,
-          "moved_over_raw": nominal / (t2 - t0),
-          "stats": stats,
-        }
-      )
-  peak = peak_rss_bytes() if peak_reset else sampler.peak
-
-  warm = None
-  # Back to back, no eviction: what the page cache gives when the state fits in RAM.
-  if args.warm_steps:
-    t0 = time.perf_counter()
-    for _ in range(args.warm_steps):
-      params, state = step(params, state, grads)
-    jax.block_until_ready((params, state))
-    oo.sync_nvme(state)
-    warm = (time.perf_counter() - t0) / args.warm_steps
-
+  rss_runtime = _common.rss_bytes()
+  t = _start(state_gb, args)
+  rss_before_steps = _common.rss_bytes()
+  peak_before_steps = _common.peak_rss_bytes()  # includes init and compilation
+  peak_reset = _common.reset_peak_rss()
+  with _common.RssSampler() as sampler:
+    reps = [_timed_rep(t, args.cache) for _ in range(args.reps)]
+  peak = _common.peak_rss_bytes() if peak_reset else sampler.peak
+  warm = _warm_step_s(t, args.warm_steps)
   # Diagnostic, after every timed step: how much of the RSS is live, and how much glibc keeps freed.
-  rss_end = rss_bytes()
-  rss_end_trimmed = _malloc_trim_rss()
-  params_bytes, grads_bytes = tree_bytes(params), tree_bytes(grads)
-  rss_bound = host_limit + params_bytes + grads_bytes + store.host_buffer_bound
-  buffer_bound, stats_total = store.host_buffer_bound, store.stats
-  oo.close_nvme(state)
-  del state
-  host_step_s = _host_tier_step_s(
-    tx_args={"window_bytes": window}, params=params, grads=grads, reps=args.reps
-  )
+  rss = {
+    "runtime": rss_runtime,
+    "before_steps": rss_before_steps,
+    "peak_steps": peak,
+    "peak_source": "VmHWM after clear_refs" if peak_reset else "VmRSS sampler",
+    "peak_sampled": sampler.peak,
+    "peak_init_and_warmup": peak_before_steps,
+    "end": _common.rss_bytes(),
+    "end_after_malloc_trim": _common.rss_after_malloc_trim(),
+    "params": _common.tree_bytes(t.params),
+    "grads": _common.tree_bytes(t.grads),
+    "host_buffer_bound": t.store.host_buffer_bound,
+  }
+  rss["bound"] = t.host_limit + rss["params"] + rss["grads"] + rss["host_buffer_bound"]
+  rss["bound_plus_runtime_and_window"] = rss["bound"] + rss_runtime + t.window
+  stats_total = t.store.stats
+  oo.close_nvme(t.state)
+  t.state = None
+  # The same update with the whole state in host RAM (same groups): the compute the NVMe-tier step
+  # does besides its I/O. On a CPU-only machine both share its cores.
+  host = oo.offload(optax.adamw(1e-3), window_bytes=t.window)
+  host_runs = _common.time_variants({"host": host}, t.params, t.grads, args.reps, copy=False)
+  result = _result(state_gb, args, t, reps, warm, rss, stats_total, host_runs["host"].median())
+  shutil.rmtree(t.directory, ignore_errors=True)
+  return result
+
+
+def _result(state_gb, args, t: _Tier, reps, warm, rss, stats_total, host_step_s) -> dict:
+  """The figures of one size: medians over `reps`, RSS against its bound, the host-tier step."""
   med = lambda key: statistics.median(r[key] for r in reps)  # noqa: E731
-  result = {
+  fp, peak = t.footprint, rss["peak_steps"]
+  return {
     "state_gb": state_gb,
-    "params": n,
+    "params": t.params_count,
     "leaves": args.leaves,
-    "groups": len(store.groups),
-    "state_bytes": state_bytes,
+    "groups": len(t.store.groups),
+    "state_bytes": t.state_bytes,
     "footprint": fp,
-    "host_limit": host_limit,
-    "window_bytes": window,
-    "init_s": init_s,
-    "warmup_step_s": warmup_s,
+    "host_limit": t.host_limit,
+    "window_bytes": t.window,
+    "init_s": t.init_s,
+    "warmup_step_s": t.warmup_s,
     "reps": reps,
     "step_s": med("step_s"),
     "step_return_s": med("step_return_s"),
@@ -398,51 +268,13 @@ def run_size(state_gb: float, args) -> dict:
     "step_over_io_bound": med("step_over_io_bound"),
     "moved_over_raw": med("moved_over_raw"),
     "warm_cache_step_s": warm,
-    "rss": {
-      "runtime": rss_runtime,
-      "before_steps": rss_before_steps,
-      "peak_steps": peak,
-      "peak_source": "VmHWM after clear_refs" if peak_reset else "VmRSS sampler",
-      "peak_sampled": sampler.peak,
-      "peak_init_and_warmup": peak_before_steps,
-      "end": rss_end,
-      "end_after_malloc_trim": rss_end_trimmed,
-      "params": params_bytes,
-      "grads": grads_bytes,
-      "host_buffer_bound": buffer_bound,
-      "bound": rss_bound,
-      "bound_plus_runtime_and_window": rss_bound + rss_runtime + window,
-    },
-    "rss_over_bound": peak / rss_bound,
-    "rss_over_bound_plus_runtime_and_window": peak / (rss_bound + rss_runtime + window),
+    "rss": rss,
+    "rss_over_bound": peak / rss["bound"],
+    "rss_over_bound_plus_runtime_and_window": peak / rss["bound_plus_runtime_and_window"],
     "store_stats_total": stats_total,
     "host_tier_step_s": host_step_s,
     "step_over_io_bound_plus_compute": med("step_s") / (med("io_lower_bound_s") + host_step_s),
   }
-  shutil.rmtree(directory, ignore_errors=True)
-  return result
-
-
-def _host_tier_step_s(tx_args: dict, params, grads, reps: int) -> float:
-  """Median step time of the same update with the whole state in host RAM (same groups): the
-  compute the NVMe-tier step does besides its I/O. On a CPU-only machine both share its cores."""
-  import jax
-  import optax
-
-  import optax_offload as oo
-
-  tx = oo.offload(optax.adamw(1e-3), **tx_args)
-  state = tx.init(params)
-  step = make_step(tx)
-  params, state = step(params, state, grads)  # compile, warm up
-  jax.block_until_ready((params, state))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    params, state = step(params, state, grads)
-    jax.block_until_ready((params, state))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 # -- driver --------------------------------------------------------------------------------------------
@@ -512,7 +344,7 @@ def _print_size(r: dict) -> None:
     )
 
 
-def main(argv=None) -> dict:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--state-gb", type=float, default=2.0, help="headline size: GB of Adam state")
   parser.add_argument(
@@ -541,8 +373,11 @@ def main(argv=None) -> dict:
   parser.add_argument("--out", default="bench_out/nvme_tier.json")
   parser.add_argument("--_child", type=float, default=None, help=argparse.SUPPRESS)
   parser.add_argument("--_child-out", default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
+  return parser
 
+
+def main(argv=None) -> dict:
+  args = _parser().parse_args(argv)
   if args._child is not None:
     result = run_size(args._child, args)
     with open(args._child_out, "w") as f:
@@ -551,7 +386,7 @@ def main(argv=None) -> dict:
 
   argv = list(sys.argv[1:] if argv is None else argv)
   sizes = sorted({float(s) for s in args.sizes.split(",") if s.strip()} | {args.state_gb})
-  start_load = load()
+  start_load = _common.load()
   runs = {}
   for size in sizes:
     runs[size] = _child(argv, size)
@@ -571,14 +406,10 @@ def main(argv=None) -> dict:
       "block": args.block_mib << 20,
       "threads": args.threads,
     },
-    "nvme_options": {
-      "prefetch_depth": args.prefetch_depth,
-      "write_depth": args.write_depth,
-      "chunk_bytes": args.chunk_mib << 20,
-    },
-    "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+    "nvme_options": _nvme_options(args),
+    "malloc_env": _common.malloc_env(),
     "load_start": start_load,
-    "load_end": load(),
+    "load_end": _common.load(),
     "state_gb": args.state_gb,
     "step_over_io_bound": head["step_over_io_bound"],
     "moved_over_raw": head["moved_over_raw"],
@@ -604,9 +435,7 @@ def main(argv=None) -> dict:
     f"moved/raw {result['moved_over_raw']:.2f} (>= 0.85), RSS/bound {result['rss_over_bound']:.2f} "
     f"(<= 1.10); load {start_load['loadavg']} -> {result['load_end']['loadavg']}"
   )
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
+  _common.write_json(result, args.out)
   try:
     os.rmdir(args.dir)
   except OSError:

@@ -32,6 +32,8 @@ import sys
 import time
 import traceback
 
+from benchmarks._common import GB
+
 BENCHMARKS = ("host_tier", "host_update", "nvme_tier", "gpu", "multiprocess")
 """Benchmark modules in `benchmarks/`, in the order they run."""
 
@@ -57,7 +59,6 @@ SIZES = {
 
 TIERS = ("device", "host", "nvme")
 MiB = 2**20
-GB = 1e9
 
 
 def _argv(name: str, module, mode: str, out: str, nvme_dir: str) -> list[str]:
@@ -268,100 +269,116 @@ def plot(results: dict, out: str) -> list[str]:
   import matplotlib.pyplot as plt
 
   files = []
+  for name, draw in (
+    ("step_time.png", _plot_steps),
+    ("bytes_per_tier.png", _plot_tiers),
+    ("nvme_bandwidth.png", _plot_nvme),
+    ("gpu_memory.png", _plot_gpu),
+  ):
+    fig = draw(plt, results)
+    if fig is None:
+      continue
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, name), dpi=110)
+    plt.close(fig)
+    files.append(name)
+  return files
+
+
+def _plot_steps(plt, results: dict):
+  """Median step time of each variant over plain optax's, in the same run."""
   steps = [
     (f"{name}\n{_VARIANTS.get(v, v)}", s / r["median_s"]["plain"], s)
     for name, r in results.items()
     if "plain" in (r.get("median_s") or {})
     for v, s in r["median_s"].items()
   ]
-  if steps:
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(steps) + 1.2))
-    labels, ratios, secs = zip(*steps)
-    bars = ax.barh(range(len(steps)), ratios, color=["#999" if r == 1 else "#3a7" for r in ratios])
-    ax.set_yticks(range(len(steps)), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlim(0, max(ratios) * 1.25)
-    for bar, s in zip(bars, secs):
-      ax.text(
-        bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {_ms(s)}", va="center", fontsize=8
-      )
-    ax.set_xlabel("median step time / plain optax (same run)")
-    ax.set_title("Step time per tier vs plain optax")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "step_time.png"), dpi=110)
-    plt.close(fig)
-    files.append("step_time.png")
+  if not steps:
+    return None
+  fig, ax = plt.subplots(figsize=(7, 0.6 * len(steps) + 1.2))
+  labels, ratios, secs = zip(*steps)
+  bars = ax.barh(range(len(steps)), ratios, color=["#999" if r == 1 else "#3a7" for r in ratios])
+  ax.set_yticks(range(len(steps)), labels, fontsize=8)
+  ax.invert_yaxis()
+  ax.axvline(1.0, color="k", lw=0.8)
+  ax.set_xlim(0, max(ratios) * 1.25)
+  for bar, s in zip(bars, secs):
+    ax.text(
+      bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {_ms(s)}", va="center", fontsize=8
+    )
+  ax.set_xlabel("median step time / plain optax (same run)")
+  ax.set_title("Step time per tier vs plain optax")
+  return fig
 
+
+def _plot_tiers(plt, results: dict):
+  """Optimizer-state bytes per tier of every footprint in the results."""
   tiers = tier_rows(results)
-  if tiers:
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(tiers) + 1.2))
-    left = [0.0] * len(tiers)
-    for tier, color in zip(TIERS, ("#c44", "#48c", "#aa4")):
-      widths = [fp.get(tier, 0) / MiB for _, fp in tiers]
-      ax.barh(range(len(tiers)), widths, left=left, color=color, label=tier)
-      left = [a + b for a, b in zip(left, widths)]
-    ax.set_yticks(range(len(tiers)), [label for label, _ in tiers], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("optimizer state, MiB")
-    ax.set_title("Bytes per tier")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "bytes_per_tier.png"), dpi=110)
-    plt.close(fig)
-    files.append("bytes_per_tier.png")
+  if not tiers:
+    return None
+  fig, ax = plt.subplots(figsize=(7, 0.5 * len(tiers) + 1.2))
+  left = [0.0] * len(tiers)
+  for tier, color in zip(TIERS, ("#c44", "#48c", "#aa4")):
+    widths = [fp.get(tier, 0) / MiB for _, fp in tiers]
+    ax.barh(range(len(tiers)), widths, left=left, color=color, label=tier)
+    left = [a + b for a, b in zip(left, widths)]
+  ax.set_yticks(range(len(tiers)), [label for label, _ in tiers], fontsize=8)
+  ax.invert_yaxis()
+  ax.set_xlabel("optimizer state, MiB")
+  ax.set_title("Bytes per tier")
+  ax.legend(fontsize=8)
+  return fig
 
+
+def _plot_nvme(plt, results: dict):
+  """The NVMe tier's state moved per second against the raw disk, per size."""
   sizes = results.get("nvme_tier", {}).get("sizes", [])
-  if sizes:
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.25
-    for j, (label, values) in enumerate(
-      (
-        ("raw disk read", [s["raw_read_GBps"] for s in sizes]),
-        ("raw disk write", [s["raw_write_GBps"] for s in sizes]),
-        ("NVMe tier, state moved", [2 * s["footprint"]["nvme"] / s["step_s"] / GB for s in sizes]),
-      )
-    ):
-      ax.bar([i + (j - 1) * width for i in range(len(sizes))], values, width, label=label)
-    for i, s in enumerate(sizes):
-      ax.annotate(
-        f"{s['moved_over_raw']:.2f} x raw",
-        (i + width, 0),
-        xytext=(0, 3),
-        textcoords="offset points",
-        ha="center",
-        fontsize=8,
-      )
-    ax.set_xticks(
-      range(len(sizes)), [f"{s['footprint']['nvme'] / GB:.2f} GB on NVMe" for s in sizes]
+  if not sizes:
+    return None
+  fig, ax = plt.subplots(figsize=(7, 3.5))
+  width = 0.25
+  for j, (label, values) in enumerate(
+    (
+      ("raw disk read", [s["raw_read_GBps"] for s in sizes]),
+      ("raw disk write", [s["raw_write_GBps"] for s in sizes]),
+      ("NVMe tier, state moved", [2 * s["footprint"]["nvme"] / s["step_s"] / GB for s in sizes]),
     )
-    ax.set_ylabel("GB/s")
-    ax.set_title("NVMe tier vs raw disk (same run, alternating)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "nvme_bandwidth.png"), dpi=110)
-    plt.close(fig)
-    files.append("nvme_bandwidth.png")
+  ):
+    ax.bar([i + (j - 1) * width for i in range(len(sizes))], values, width, label=label)
+  for i, s in enumerate(sizes):
+    ax.annotate(
+      f"{s['moved_over_raw']:.2f} x raw",
+      (i + width, 0),
+      xytext=(0, 3),
+      textcoords="offset points",
+      ha="center",
+      fontsize=8,
+    )
+  ax.set_xticks(range(len(sizes)), [f"{s['footprint']['nvme'] / GB:.2f} GB on NVMe" for s in sizes])
+  ax.set_ylabel("GB/s")
+  ax.set_title("NVMe tier vs raw disk (same run, alternating)")
+  ax.legend(fontsize=8)
+  return fig
 
-  if "gpu" in results:
-    mem = results["gpu"]["memory_analysis"]
-    fig, ax = plt.subplots(figsize=(6, 2.5))
-    names = list(mem)
-    ax.barh(names, [mem[k]["peak_memory_in_bytes"] / 2**30 for k in names], label="device peak")
-    ax.barh(
-      names,
-      [mem[k]["host_argument_size_in_bytes"] / 2**30 for k in names],
-      left=[mem[k]["peak_memory_in_bytes"] / 2**30 for k in names],
-      label="host arguments",
-    )
-    ax.set_xlabel("GiB (memory_analysis)")
-    ax.set_title(f"Device memory, {results['gpu']['params_memory_analysis']:,} params")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "gpu_memory.png"), dpi=110)
-    plt.close(fig)
-    files.append("gpu_memory.png")
-  return files
+
+def _plot_gpu(plt, results: dict):
+  """Device peak and host arguments of each variant (memory_analysis)."""
+  if "gpu" not in results:
+    return None
+  mem = results["gpu"]["memory_analysis"]
+  fig, ax = plt.subplots(figsize=(6, 2.5))
+  names = list(mem)
+  ax.barh(names, [mem[k]["peak_memory_in_bytes"] / 2**30 for k in names], label="device peak")
+  ax.barh(
+    names,
+    [mem[k]["host_argument_size_in_bytes"] / 2**30 for k in names],
+    left=[mem[k]["peak_memory_in_bytes"] / 2**30 for k in names],
+    label="host arguments",
+  )
+  ax.set_xlabel("GiB (memory_analysis)")
+  ax.set_title(f"Device memory, {results['gpu']['params_memory_analysis']:,} params")
+  ax.legend(fontsize=8)
+  return fig
 
 
 # -- the report ----------------------------------------------------------------------------------------

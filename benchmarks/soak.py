@@ -56,11 +56,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import logging
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 
@@ -72,15 +72,10 @@ import orbax.checkpoint as ocp
 
 import optax_offload as oo
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import _common  # noqa: E402
+
 logger = logging.getLogger("soak")
-
-
-def _status(key: str) -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(key + ":"):
-        return int(line.split()[1])
-  raise KeyError(key)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -134,9 +129,9 @@ def sample(step: int, trim: bool = False) -> dict:
   """
   s = {
     "step": step,
-    "rss": _status("VmRSS") * 1024,
+    "rss": _common.rss_bytes(),
     "fds": len(os.listdir("/proc/self/fd")),
-    "threads": _status("Threads"),
+    "threads": _common.proc_status("Threads"),
     "ts_pool_threads": _ts_pool_threads(),
   }
   if _LIBC is not None:
@@ -145,7 +140,7 @@ def sample(step: int, trim: bool = False) -> dict:
     s["heap_free"] = info.fordblks
     if trim:
       _LIBC.malloc_trim(0)
-      s["rss_trimmed"] = _status("VmRSS") * 1024
+      s["rss_trimmed"] = _common.rss_bytes()
   return s
 
 
@@ -180,23 +175,13 @@ def describe(baseline: dict, end: dict) -> str:
   return ", ".join(parts)
 
 
-def make_tree(total: float, leaves: int) -> dict:
-  cols = 512
-  rows = max(int(total / leaves / cols), 1)
-  rng = np.random.default_rng(0)
-  return {
-    f"layer_{i:02d}": jnp.asarray(rng.normal(size=(rows, cols)) * 0.02, jnp.float32)
-    for i in range(leaves)
-  }
-
-
 def make_grads(params: dict, step: int) -> dict:
   """Deterministic, cheap gradients that change every step."""
   scale = jnp.float32(1e-3 * (1 + step % 7))
   return jax.tree.map(lambda p: jnp.full_like(p, scale), params)
 
 
-def main(argv=None) -> dict:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=2000)
   parser.add_argument("--every", type=int, default=50, help="checkpoint interval (steps)")
@@ -228,75 +213,106 @@ def main(argv=None) -> dict:
     help="quiet time before the baseline and end samples (TensorStore's pool threads exit after 20 s idle)",
   )
   parser.add_argument("--out", default="bench_out/soak.json")
-  args = parser.parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-  if args.malloc_arena_max and _LIBC is not None:
-    _LIBC.mallopt(_M_ARENA_MAX, args.malloc_arena_max)
-  trim = not args.no_trim and _LIBC is not None
+  return parser
 
-  root = args.dir or tempfile.mkdtemp(prefix="oo_soak_")
-  os.makedirs(root, exist_ok=True)
-  params = jax.device_put(make_tree(args.params, args.leaves), jax.devices()[0])
-  n = sum(p.size for p in jax.tree.leaves(params))
-  state_bytes = 8 * n  # adamw: mu + nu in fp32
-  host_limit = int(state_bytes * args.host_fraction)
-  window = max(state_bytes // 4, 1)
-  make_tx = lambda d: oo.offload(  # noqa: E731
-    optax.adamw(1e-3), host_limit=host_limit, nvme_dir=d, window_bytes=window
-  )
-  tx = make_tx(os.path.join(root, "nvme"))
-  state = tx.init(params)
 
-  def train_step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
+class _Soak:
+  """The run: a jitted step, the offloaded state, the checkpoint manager, and what is sampled."""
 
-  step = jax.jit(train_step, donate_argnums=(0, 1))
-  options = ocp.CheckpointManagerOptions(max_to_keep=args.keep)
-  mngr = ocp.CheckpointManager(os.path.join(root, "ckpt"), options=options)
-  samples, step_times, save_times = [sample(0, trim)], [], []
-  quiet: dict[str, dict] = {}
+  def __init__(self, args, root: str, trim: bool):
+    self.args, self.root, self.trim = args, root, trim
+    self.params = jax.device_put(
+      _common.make_tree(args.params, args.leaves, cols=512), jax.devices()[0]
+    )
+    self.n = _common.num_params(self.params)
+    self.state_bytes = 8 * self.n  # adamw: mu + nu in fp32
+    self.host_limit = int(self.state_bytes * args.host_fraction)
+    self.window = max(self.state_bytes // 4, 1)
+    tx = self.make_tx(os.path.join(root, "nvme"))
+    self.state = tx.init(self.params)
+    self.step = _common.make_step(tx)
+    options = ocp.CheckpointManagerOptions(max_to_keep=args.keep)
+    self.mngr = ocp.CheckpointManager(os.path.join(root, "ckpt"), options=options)
+    self.samples, self.step_times, self.save_times = [sample(0, trim)], [], []
+    self.quiet: dict[str, dict] = {}
 
-  def quiet_sample(step: int) -> dict:
+  def make_tx(self, nvme_dir: str):
+    return oo.offload(
+      optax.adamw(1e-3), host_limit=self.host_limit, nvme_dir=nvme_dir, window_bytes=self.window
+    )
+
+  def quiet_sample(self, step: int) -> dict:
     """A sample after `--idle-s` of quiet: no save, no NVMe I/O, TensorStore's idle pool threads gone."""
-    mngr.wait_until_finished()
-    oo.sync_nvme(state)
+    self.mngr.wait_until_finished()
+    oo.sync_nvme(self.state)
     gc.collect()
-    time.sleep(args.idle_s)
-    return sample(step, trim)
+    time.sleep(self.args.idle_s)
+    return sample(step, self.trim)
 
-  baseline_step = (args.warmup * args.every // args.sample_every + 1) * args.sample_every
-  start = time.perf_counter()
-  for t in range(args.steps):
+  def save(self, step: int) -> None:
     t0 = time.perf_counter()
-    params, state = step(params, state, make_grads(params, t))
-    jax.block_until_ready(state)
-    step_times.append(time.perf_counter() - t0)
-    last = t + 1 == args.steps
-    if ((t + 1) % args.every == 0 and not args.no_save) or last:
+    self.mngr.save(
+      step,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(self.params), opt_state=oo.OffloadSave(self.state)
+      ),
+    )
+    self.save_times.append(time.perf_counter() - t0)  # the blocking part
+
+  def train(self) -> float:
+    """Runs every step, saving and sampling on the way; returns the wall time, idle time excluded."""
+    args = self.args
+    baseline_step = (args.warmup * args.every // args.sample_every + 1) * args.sample_every
+    start = time.perf_counter()
+    for t in range(args.steps):
       t0 = time.perf_counter()
-      mngr.save(
-        t + 1,
-        args=ocp.args.Composite(
-          params=ocp.args.StandardSave(params), opt_state=oo.OffloadSave(state)
-        ),
-      )
-      save_times.append(time.perf_counter() - t0)  # the blocking part
-    if t + 1 == baseline_step and not last:
-      quiet["baseline"] = quiet_sample(t + 1)
-    if (t + 1) % args.sample_every == 0 and not last:
-      mngr.wait_until_finished()  # no save in flight: its threads and files are gone
-      oo.sync_nvme(state)  # no NVMe write in flight either
-      gc.collect()
-      time.sleep(0.1)  # let finished threads exit
-      samples.append(sample(t + 1, trim))
-      if (t + 1) % (10 * args.sample_every) == 0:
-        logger.info("step %d: %s", t + 1, samples[-1])
-  mngr.wait_until_finished()
-  wall = time.perf_counter() - start - (args.idle_s if "baseline" in quiet else 0)
-  quiet["end"] = quiet_sample(args.steps)
-  # Baseline: the first `window` samples after the warm-up; end: the last `window` (medians, as
-  # RSS moves by a few MiB either way from one sample to the next).
+      self.params, self.state = self.step(self.params, self.state, make_grads(self.params, t))
+      jax.block_until_ready(self.state)
+      self.step_times.append(time.perf_counter() - t0)
+      last = t + 1 == args.steps
+      if ((t + 1) % args.every == 0 and not args.no_save) or last:
+        self.save(t + 1)
+      if t + 1 == baseline_step and not last:
+        self.quiet["baseline"] = self.quiet_sample(t + 1)
+      if (t + 1) % args.sample_every == 0 and not last:
+        self.mngr.wait_until_finished()  # no save in flight: its threads and files are gone
+        oo.sync_nvme(self.state)  # no NVMe write in flight either
+        gc.collect()
+        time.sleep(0.1)  # let finished threads exit
+        self.samples.append(sample(t + 1, self.trim))
+        if (t + 1) % (10 * args.sample_every) == 0:
+          logger.info("step %d: %s", t + 1, self.samples[-1])
+    self.mngr.wait_until_finished()
+    wall = time.perf_counter() - start - (args.idle_s if "baseline" in self.quiet else 0)
+    self.quiet["end"] = self.quiet_sample(args.steps)
+    return wall
+
+  def restore_is_exact(self) -> tuple[bool, dict]:
+    """Restores the latest checkpoint into a fresh state with another nvme_dir; whether it is bit
+    for bit the state it was saved from, and the checkpoint's metadata."""
+    latest, inner = self.mngr.latest_step(), oo.to_inner(self.state)
+    target = self.make_tx(os.path.join(self.root, "nvme_restore")).init(
+      jax.tree.map(jnp.zeros_like, self.params)
+    )
+    restored = self.mngr.restore(
+      latest,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(self.params), opt_state=oo.OffloadRestore(target)
+      ),
+    )
+    exact = all(
+      np.array_equal(np.asarray(a), np.asarray(b))
+      for a, b in zip(jax.tree.leaves(inner), jax.tree.leaves(oo.to_inner(restored["opt_state"])))
+    )
+    manifest = self.mngr.item_metadata(latest)["opt_state"]
+    oo.close_nvme(restored["opt_state"])
+    return exact, manifest
+
+
+def _growth(samples: list[dict], args) -> dict:
+  """Baseline and end (medians of the first and last few samples after the warm-up), their
+  changes, the slopes per 1000 steps and the largest values."""
+  # Medians, as RSS moves by a few MiB either way from one sample to the next.
   after_warmup = [x for x in samples if x["step"] > args.warmup * args.every]
   window = max(1, min(5, len(after_warmup) // 3))
   baseline = {k: float(np.median([x[k] for x in after_warmup[:window]])) for k in samples[0]}
@@ -308,50 +324,7 @@ def main(argv=None) -> dict:
       return None
     return 1000 * float(np.polyfit(steps_axis, [x[key] for x in after_warmup], 1)[0])
 
-  saved = (mngr.latest_step(), oo.to_inner(state), params)
-  footprint = oo.footprint(state)
-
-  # The latest checkpoint restores bit for bit into a fresh state with another nvme_dir.
-  tx2 = make_tx(os.path.join(root, "nvme_restore"))
-  target = tx2.init(jax.tree.map(jnp.zeros_like, params))
-  restored = mngr.restore(
-    saved[0],
-    args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(params), opt_state=oo.OffloadRestore(target)
-    ),
-  )
-  restored_inner = oo.to_inner(restored["opt_state"])
-  exact = all(
-    np.array_equal(np.asarray(a), np.asarray(b))
-    for a, b in zip(jax.tree.leaves(saved[1]), jax.tree.leaves(restored_inner))
-  )
-  manifest = mngr.item_metadata(saved[0])["opt_state"]
-  mngr.close()
-  oo.close_nvme(state)
-  oo.close_nvme(restored["opt_state"])
-  if args.dir is None:
-    shutil.rmtree(root, ignore_errors=True)
-
-  result = {
-    "benchmark": "soak",
-    "backend": jax.default_backend(),
-    "machine": platform.machine(),
-    "steps": args.steps,
-    "every": args.every,
-    "checkpoints": len(save_times),
-    "params": n,
-    "state_bytes": state_bytes,
-    "footprint": footprint,
-    "host_limit": host_limit,
-    "nvme_transfer": manifest["nvme_transfer"],
-    "wall_s": wall,
-    "step_s_median": float(np.median(step_times)),
-    "save_blocking_s_median": float(np.median(save_times)),
-    "malloc": {
-      "glibc": _LIBC is not None,
-      "arena_max": args.malloc_arena_max if _LIBC is not None else None,
-      "trim": trim,
-    },
+  return {
     "baseline": baseline,
     "end": end,
     **changes(baseline, end),
@@ -362,14 +335,65 @@ def main(argv=None) -> dict:
     "fds_max_after_warmup": max(x["fds"] for x in after_warmup),
     "threads_max_after_warmup": max(x["threads"] for x in after_warmup),
     "ts_pool_threads_max": max(x["ts_pool_threads"] for x in samples),
-    "restore_bit_exact": bool(exact),
-    "samples": samples,
   }
+
+
+def main(argv=None) -> dict:
+  args = _parser().parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+  if args.malloc_arena_max and _LIBC is not None:
+    _LIBC.mallopt(_M_ARENA_MAX, args.malloc_arena_max)
+  trim = not args.no_trim and _LIBC is not None
+
+  root = args.dir or tempfile.mkdtemp(prefix="oo_soak_")
+  os.makedirs(root, exist_ok=True)
+  run = _Soak(args, root, trim)
+  wall = run.train()
+  footprint = oo.footprint(run.state)
+  exact, manifest = run.restore_is_exact()
+  run.mngr.close()
+  oo.close_nvme(run.state)
+  if args.dir is None:
+    shutil.rmtree(root, ignore_errors=True)
+
+  growth = _growth(run.samples, args)
+  result = {
+    "benchmark": "soak",
+    "backend": jax.default_backend(),
+    "machine": platform.machine(),
+    "steps": args.steps,
+    "every": args.every,
+    "checkpoints": len(run.save_times),
+    "params": run.n,
+    "state_bytes": run.state_bytes,
+    "footprint": footprint,
+    "host_limit": run.host_limit,
+    "nvme_transfer": manifest["nvme_transfer"],
+    "wall_s": wall,
+    "step_s_median": float(np.median(run.step_times)),
+    "save_blocking_s_median": float(np.median(run.save_times)),
+    "malloc": {
+      "glibc": _LIBC is not None,
+      "arena_max": args.malloc_arena_max if _LIBC is not None else None,
+      "trim": trim,
+    },
+    **growth,
+    "restore_bit_exact": bool(exact),
+    "samples": run.samples,
+  }
+  print(_verdict(result, run.quiet, trim, args))
+  return _common.write_json(result, args.out)
+
+
+def _verdict(result: dict, quiet: dict, trim: bool, args) -> str:
+  """Sets ``result["pass"]`` (and ``result["quiet"]``); returns the summary line."""
   rss_key = "rss_trimmed" if trim else "rss"
   line = (
-    f"{args.steps} steps, {len(save_times)} checkpoints ({result['nvme_transfer']}), {wall:.0f} s: "
+    f"{args.steps} steps, {result['checkpoints']} checkpoints ({result['nvme_transfer']}), "
+    f"{result['wall_s']:.0f} s: "
   )
-  line += describe(baseline, end) + f", restore bit-exact: {exact}"
+  line += describe(result["baseline"], result["end"])
+  line += f", restore bit-exact: {result['restore_bit_exact']}"
   if "baseline" in quiet:
     result["quiet"] = {"idle_s": args.idle_s, **quiet, **changes(quiet["baseline"], quiet["end"])}
     judged, threads_key = result["quiet"], "thread_growth"
@@ -385,12 +409,7 @@ def main(argv=None) -> dict:
     and judged[threads_key] <= 0
     and result["restore_bit_exact"]
   )
-  line += f"; pass: {result['pass']}"
-  print(line)
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  return result
+  return line + f"; pass: {result['pass']}"
 
 
 if __name__ == "__main__":
