@@ -7,8 +7,9 @@ that `cli.report` renders (``str(estimate)``).
 
 Length: about 600 lines, over the ~500 we aim for, because a fifth of it is the docstrings of
 `estimate` and `Estimate` (the planning page of the API reference); the code is one result type
-and two derivations (from a count, from shapes) behind one function. The derivation from shapes
-(`_leaves`) repeats what `offload` derives per leaf and is to become the `make_setup` both share.
+and two derivations (from a count, from shapes) behind one function (`estimate` is 120 lines, 80
+of them its docstring). The derivation from shapes (`_leaves`) repeats what `offload` derives per
+leaf and is to become the `make_setup` both share.
 """
 
 from __future__ import annotations
