@@ -464,3 +464,9 @@ def test_a_stacked_leaf_is_streamed_in_row_slices(name, make, exact, caplog):
   else:
     assert_close(ref_params, got_params)
     assert_close(ref_state, oo.to_inner(got_state, memory_kind="device"))
+
+
+def test_nvme_dir_without_host_limit_warns(params, tmp_path):
+  with pytest.warns(UserWarning, match="host_limit is None.*nothing goes to NVMe"):
+    tx = oo.offload(optax.adam(1e-2), nvme_dir=str(tmp_path))
+  assert oo.footprint(tx.init(params))["nvme"] == 0

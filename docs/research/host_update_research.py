@@ -5,9 +5,9 @@ run on a ~48M-parameter fp32 pytree (16 leaves x 3M) while staying BIT-IDENTICAL
 (or to one jitted optax update per leaf, the library's grouped update)? Target was <= 0.6x of plain.
 
 Run (from the repository root):
-  .venv/bin/python benchmarks/host_update_research.py             # in-process variants, ~1.5 min quiet
-  .venv/bin/python benchmarks/host_update_research.py --native    # + one-pass C reference kernel (needs gcc)
-  .venv/bin/python benchmarks/host_update_research.py --flags     # XLA_FLAGS sweep, a subprocess per flag set
+  .venv/bin/python docs/research/host_update_research.py             # in-process variants, ~1.5 min quiet
+  .venv/bin/python docs/research/host_update_research.py --native    # + one-pass C reference kernel (needs gcc)
+  .venv/bin/python docs/research/host_update_research.py --flags     # XLA_FLAGS sweep, a subprocess per flag set
   options: --leaves 16 --size 3000000 --reps 9 --chunks 16384,65536 --only plain,chunk16384
 
 All variants donate params and state and are timed interleaved (shuffled order every round, first round is
@@ -16,7 +16,7 @@ min/min, cpu/wall (process CPU time over wall: ~2 = both cores busy) and bit-ide
 count after 3 steps against (a) plain jit over all leaves and (b) one jitted update per leaf. The machine is
 shared: look at the paired ratios and at cpu/wall of plain (below ~1.9 means other work held a core).
 
-Findings and the recommendation: benchmarks/HOST_UPDATE_NOTES.md.
+Findings and the recommendation: docs/research/host_update_notes.md.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def chunked_update(tx, chunk: int, mode: str = "twocall"):
 
   Bits: equal to one jitted optax update PER LEAF (each loop body updates one leaf), not to one jit over a
   multi-leaf tree: XLA:CPU writes the bias correction as ``x * (1 / (1 - b**t))`` (scalar reciprocal) for a
-  one-leaf update and as ``x / (1 - b**t)`` per element for several leaves (see HOST_UPDATE_NOTES.md).
+  one-leaf update and as ``x / (1 - b**t)`` per element for several leaves (see host_update_notes.md).
   """
   import jax
   import jax.numpy as jnp

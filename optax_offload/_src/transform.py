@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +12,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from optax_offload._src import _compat
@@ -21,7 +19,7 @@ from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
-from optax_offload._src import separable
+from optax_offload._src import setup as setup_lib
 from optax_offload._src import stream
 
 logger = logging.getLogger(__name__)
@@ -37,214 +35,6 @@ class OffloadState(NamedTuple):
   inner: optax.OptState  # NVMe-tier parts are empty placeholders: their data is in the store
   nvme_store: jax.Array  # int32 scalar: id of the NVMe store holding NVMe-tier parts; -1: none
   nvme_generation: jax.Array  # int32 scalar: the store generation this state names; -1: none
-
-
-@dataclasses.dataclass(frozen=True)
-class _Setup:
-  """Everything `offload` derives from one parameter tree at init: the plan and its resources."""
-
-  paths: tuple[str, ...]
-  param_shapes: tuple[tuple[int, ...], ...]
-  dtypes: tuple[Any, ...]
-  leaves: tuple[plan_lib.LeafInfo, ...]
-  plan: plan_lib.Plan
-  part_shapes: tuple[list[tuple[int, ...]], ...]  # shapes of each leaf's state arrays
-  array_tiers: tuple[tuple[plan_lib.Tier, ...], ...]  # tier of each leaf's state arrays
-  spec: stream.StreamSpec
-  layout: layout_lib.StateLayout  # of the tree init saw
-  nvme: nvme_tier.NvmeTier | None
-
-  def handles(self, generation: int) -> tuple[jax.Array, jax.Array]:
-    store = -1 if self.nvme is None else self.nvme.id
-    return jnp.asarray(store, jnp.int32), jnp.asarray(generation, jnp.int32)
-
-  @property
-  def usable(self) -> bool:
-    return self.nvme is None or not self.nvme.closed
-
-
-def _default_window_bytes() -> int:
-  try:
-    stats = jax.local_devices()[0].memory_stats()
-  except Exception:  # some backends do not implement memory_stats
-    stats = None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"] * plan_lib.DEFAULT_WINDOW_FRACTION)
-  return plan_lib.FALLBACK_WINDOW_BYTES
-
-
-def _state_bytes(part: Any, shape: tuple[int, ...], sharding: Any) -> int:
-  """Bytes per device of one leaf's state parts; parts shaped like the param share its sharding."""
-  total = 0
-  for x in jax.tree.leaves(part):
-    shard = x.shape
-    if sharding is not None and tuple(x.shape) == tuple(shape):
-      shard = sharding.shard_shape(tuple(shape))
-    total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
-  return total
-
-
-def _local_device_count(sharding: Any) -> int:
-  """How many of this process's devices hold a shard (or a copy) of an array with `sharding`."""
-  if sharding is None:
-    return 1
-  return sum(d.process_index == jax.process_index() for d in sharding.device_set)
-
-
-def _host_sharding(sharding: Any, part_shape: tuple[int, ...], param_shape: tuple[int, ...]):
-  """Sharding of an offloaded state part: the param's, in pinned host memory.
-
-  The state keeps the kind of sharding its params have (a one-device param's state a
-  SingleDeviceSharding), so that a jitted step's outputs have its inputs' shardings and the step
-  compiles once.
-  """
-  if tuple(part_shape) != tuple(param_shape) and isinstance(sharding, jax.sharding.NamedSharding):
-    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-  return sharding.with_memory_kind("pinned_host")
-
-
-def _map_arrays(part: Any, tiers: Sequence[plan_lib.Tier], fn) -> Any:
-  """Applies ``fn(tier, j, array)`` to each array of a leaf's state part."""
-  arrays, treedef = jax.tree.flatten(part)
-  return treedef.unflatten([fn(t, j, x) for j, (t, x) in enumerate(zip(tiers, arrays))])
-
-
-def _array_tiers(part: Any, tier: plan_lib.Tier, min_size: int) -> tuple[plan_lib.Tier, ...]:
-  """The leaf's tier for each of its state arrays, but arrays below `min_size` stay on device.
-
-  Besides saving transfers of tiny arrays (e.g. adafactor's (1,) placeholders), this keeps
-  JAX's donation matching right: it pairs donated inputs to outputs by shape and dtype, ignoring
-  memory kinds, so a tiny host array and a tiny device array of the same shape could be swapped.
-  """
-  return tuple(
-    tier if math.prod(x.shape) >= min_size else plan_lib.Tier.DEVICE for x in jax.tree.leaves(part)
-  )
-
-
-def _leaf_path(path) -> str:
-  return jax.tree_util.keystr(path) or "<root>"
-
-
-def _unsharded_axes(sharding: Any) -> int:
-  """How many leading axes of a param are not sharded (at most 2)."""
-  if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    return 2
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    spec = tuple(sharding.spec) + (None, None)
-    return 0 if spec[0] is not None else (1 if spec[1] is not None else 2)
-  return 0
-
-
-CHUNKS = 4
-"""Row chunks of a group's update: at least two, so that every copy can overlap an update (XLA:GPU
-keeps two copies in flight) and the update is written in place; more make the chunk's own results
-(temporaries outside the window) smaller."""
-
-
-def _chunks(unit, leaves, array_tiers, cols, n_units: int) -> tuple[tuple[int, int], ...]:
-  """``(axis, count)`` per piece: enough updates per group for every copy to overlap one (XLA:GPU
-  keeps two copies in flight) and the update in place; rows when the piece has enough, else columns;
-  one chunk when the plan has one group or the leaf cannot split.
-  """
-  out = []
-  for piece in unit:
-    leaf = leaves[piece.leaf]
-    offloaded = any(t is not plan_lib.Tier.DEVICE for t in array_tiers[piece.leaf])
-    rows = leaf.rows if piece.whole else piece.stop - piece.start
-    if n_units < 2 or not offloaded:
-      out.append((0, 1))
-    elif leaf.rows and rows >= CHUNKS:
-      out.append((0, CHUNKS))
-    elif cols[piece.leaf] >= CHUNKS:
-      out.append((1, CHUNKS))
-    elif leaf.rows and rows >= 2:
-      out.append((0, rows))
-    else:
-      out.append((0, 1))
-  return tuple(out)
-
-
-def make_setup(
-  inner: optax.GradientTransformationExtraArgs,
-  treedef: Any,
-  paths: Sequence[str],
-  avals: Sequence[jax.ShapeDtypeStruct],
-  shardings: Sequence[Any],
-  *,
-  min_size: int,
-  window_bytes: int | None,
-  host_limit: int | None,
-  nvme_dir: Any = None,
-  nvme_options: dict[str, Any] | None = None,
-  check_separable: bool = True,
-) -> _Setup:
-  """Plans one parameter tree: tiers, groups, row slices and chunks; opens the NVMe store if used."""
-  layout = layout_lib.StateLayout(inner, treedef)
-  abstract_state = jax.eval_shape(inner.init, treedef.unflatten(list(avals)))
-  _, per_leaf = layout.split(abstract_state)
-  if check_separable:
-    separable.check_separable(inner, layout, paths, avals)
-  dims = tuple(separable.shared_dims(part, a.shape) for part, a in zip(per_leaf, avals))
-  unsharded = [_unsharded_axes(s) for s in shardings]
-  rows = separable.splittable(inner, avals, per_leaf, dims, min_size, axis=0)
-  cols = separable.splittable(inner, avals, per_leaf, dims, min_size, axis=1)
-  rows = [n if u >= 1 else 0 for n, u in zip(rows, unsharded)]
-  cols = [n if u >= 2 else 0 for n, u in zip(cols, unsharded)]
-  leaves = tuple(
-    plan_lib.LeafInfo(
-      p,
-      math.prod(a.shape),
-      _state_bytes(part, a.shape, s),
-      _state_bytes(part, a.shape, s) * _local_device_count(s),
-      rows=n,
-    )
-    for p, a, part, s, n in zip(paths, avals, per_leaf, shardings, rows)
-  )
-  the_plan = plan_lib.make_plan(
-    leaves,
-    min_size=min_size,
-    window_bytes=window_bytes if window_bytes is not None else _default_window_bytes(),
-    host_limit=host_limit,
-    nvme=nvme_dir is not None,
-  )
-  part_shapes = tuple([tuple(x.shape) for x in jax.tree.leaves(part)] for part in per_leaf)
-  array_tiers = tuple(_array_tiers(part, t, min_size) for part, t in zip(per_leaf, the_plan.tiers))
-  spec = stream.StreamSpec(
-    the_plan.units,
-    array_tiers,
-    dims,
-    tuple(_chunks(u, leaves, array_tiers, cols, len(the_plan.units)) for u in the_plan.units),
-  )
-  tier = None
-  if any(plan_lib.Tier.NVME in ts for ts in array_tiers):
-    tier = nvme_tier.NvmeTier(
-      nvme_tier.process_directory(nvme_dir),
-      the_plan.units,
-      array_tiers,
-      per_leaf,
-      [tuple(a.shape) for a in avals],
-      shardings,
-      **(nvme_options or {}),
-    )
-    tier.layout = layout
-  logger.info("offload plan:\n%s", plan_lib.describe_plan(the_plan, leaves))
-  if jax.default_backend() == "gpu":
-    devices = max(1, len(jax.local_devices()))
-    warning = plan_lib.pinned_pool_warning(the_plan.bytes_per_tier["host"] // devices)
-    if warning:
-      logger.warning("offload: %s", warning)
-  return _Setup(
-    tuple(paths),
-    tuple(tuple(a.shape) for a in avals),
-    tuple(jnp.dtype(a.dtype) for a in avals),
-    leaves,
-    the_plan,
-    part_shapes,
-    array_tiers,
-    spec,
-    layout,
-    tier,
-  )
 
 
 def offload(
@@ -287,10 +77,11 @@ def offload(
       updates (in ``master_dtype``) make ``optax.apply_updates(params, updates)`` equal the master
       rounded to the param dtype. `master_params` reads the masters.
     min_size: leaves with fewer elements keep their state on the device.
-    window_bytes: most offloaded-state bytes on the device at once during ``update``; each group holds
-      at most half of it (one group computes while the next is prefetched). A leaf larger than that
-      is a group of its own. Default: 10% of the device's memory when the backend reports it, else
-      1 GiB.
+    window_bytes: the most device memory the update's state takes at once: each group holds at
+      most ``window_bytes / 2.25`` of offloaded state (the group updated, the one in transit and
+      the update's temporaries). A larger leaf is streamed in row slices when its update allows it
+      (else it is a group of its own). Default: 10% of the device's memory when the backend reports
+      it, else 1 GiB.
     check_separable: at ``init``, check on a miniature of the parameter tree that ``inner`` does not
       mix leaves, and refuse it otherwise.
     nvme_options: keyword arguments for the NVMe store: ``prefetch_depth`` (groups read ahead,
@@ -347,67 +138,95 @@ def offload(
   inner = optax.with_extra_args_support(inner)
   if master_dtype is not None:
     inner = master_lib.with_master_weights(inner, master_dtype)
-  # One setup per parameter shapes: init makes it (and opens the NVMe store, if any); update finds
-  # it again from the gradients' shapes, whatever their container types (Flax NNX hands init
-  # `nnx.Param` variables and update plain arrays) or dtypes.
-  setups: dict[tuple[tuple[int, ...], ...], _Setup] = {}
-  layouts: dict[Any, layout_lib.StateLayout] = {}
-  options = dict(
-    min_size=min_size,
-    window_bytes=window,
-    host_limit=host_limit_bytes,
-    nvme_dir=nvme_dir,
-    nvme_options=nvme_options,
-    check_separable=check_separable,
+  if nvme_dir is not None and host_limit_bytes is None:
+    warnings.warn(
+      "offload: nvme_dir is given but host_limit is None, so the host tier takes all the state "
+      "and nothing goes to NVMe. Pass host_limit (e.g. host_limit='64GiB') to keep the rest on "
+      "disk.",
+      stacklevel=2,
+    )
+  offloaded = _Offloaded(
+    inner,
+    master_dtype,
+    update_on,
+    dict(
+      min_size=min_size,
+      window_bytes=window,
+      host_limit=host_limit_bytes,
+      nvme_dir=nvme_dir,
+      nvme_options=nvme_options,
+      check_separable=check_separable,
+    ),
   )
+  tx = optax.GradientTransformationExtraArgs(offloaded.init, offloaded.update)
+  _OFFLOADED[tx.update] = offloaded
+  return tx
 
-  def layout_for(treedef) -> layout_lib.StateLayout:
-    if treedef not in layouts:
-      layouts[treedef] = layout_lib.StateLayout(inner, treedef)
-    return layouts[treedef]
 
-  def setup_for_init(treedef, paths, avals, shardings) -> _Setup:
+class _Offloaded:
+  """One `offload` transformation: its setups (one per parameter shapes) and its init and update.
+
+  init makes a setup (and opens its NVMe store, if any); update finds it again from the
+  gradients' shapes, whatever their container types (Flax NNX hands init `nnx.Param` variables and
+  update plain arrays) or dtypes, so one `offload` never opens a second store for one tree.
+  """
+
+  def __init__(self, inner, master_dtype, update_on: str, options: dict[str, Any]):
+    self.inner, self.master_dtype, self.update_on, self.options = (
+      inner,
+      master_dtype,
+      update_on,
+      options,
+    )
+    self.setups: dict[tuple[tuple[int, ...], ...], setup_lib.Setup] = {}
+    self.layouts: dict[Any, layout_lib.StateLayout] = {}
+
+  def layout_for(self, treedef) -> layout_lib.StateLayout:
+    if treedef not in self.layouts:
+      self.layouts[treedef] = layout_lib.StateLayout(self.inner, treedef)
+    return self.layouts[treedef]
+
+  def setup_for_init(self, treedef, paths, avals, shardings) -> setup_lib.Setup:
     key = tuple(tuple(a.shape) for a in avals)
-    old = setups.get(key)
+    old = self.setups.get(key)
     dtypes = tuple(jnp.dtype(a.dtype) for a in avals)
     if old is not None and old.usable and old.dtypes == dtypes:
       return old
-    setups[key] = make_setup(inner, treedef, paths, avals, shardings, **options)
-    layouts.setdefault(treedef, setups[key].layout)
-    return setups[key]
+    self.setups[key] = setup_lib.make_setup(
+      self.inner, treedef, paths, avals, shardings, **self.options
+    )
+    self.layouts.setdefault(treedef, self.setups[key].layout)
+    return self.setups[key]
 
-  def setup_for_update(paths, avals) -> _Setup:
+  def setup_for_update(self, paths, avals) -> setup_lib.Setup:
     key = tuple(tuple(a.shape) for a in avals)
-    if key in setups:
-      return setups[key]
-    if setups:
-      (known,) = list(setups.values())[-1:]
+    if key in self.setups:
+      return self.setups[key]
+    if self.setups:
+      (known,) = list(self.setups.values())[-1:]
       raise ValueError(_mismatch_message(known, paths, avals))
     # No init in this process (e.g. a state restored by other means): plan from the gradients.
-    setups[key] = make_setup(
-      inner,
-      jax.tree.structure(list(avals)),
-      paths,
-      avals,
-      [None] * len(avals),
-      **{**options, "nvme_dir": None, "host_limit": None},
+    options = {**self.options, "nvme_dir": None, "host_limit": None}
+    self.setups[key] = setup_lib.make_setup(
+      self.inner, jax.tree.structure(list(avals)), paths, avals, [None] * len(avals), **options
     )
-    return setups[key]
+    return self.setups[key]
 
-  def init_fn(params: optax.Params, abstract_only: bool = False) -> OffloadState:
+  def init(self, params: optax.Params, abstract_only: bool = False) -> OffloadState:
+    inner = self.inner
     if layout_lib.is_placeholder(params):  # optax.tree_utils.tree_map_params asks for the layout
       return OffloadState(
         inner.init(params), jnp.asarray(-1, jnp.int32), jnp.asarray(-1, jnp.int32)
       )
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    paths = [_leaf_path(p) for p, _ in flat]
+    paths = [setup_lib.leaf_path(p) for p, _ in flat]
     values = [v for _, v in flat]
     avals = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in values]
     shardings = [getattr(v, "sharding", None) for v in values]
-    if master_dtype is not None:
-      master_lib.check_master_dtype(values, paths, master_dtype)
-    setup = setup_for_init(treedef, paths, avals, shardings)
-    layout = layout_for(treedef)
+    if self.master_dtype is not None:
+      master_lib.check_master_dtype(values, paths, self.master_dtype)
+    setup = self.setup_for_init(treedef, paths, avals, shardings)
+    layout = self.layout_for(treedef)
 
     def leaves_of(concrete):
       it = iter(concrete)
@@ -417,22 +236,26 @@ def offload(
       ]
 
     generation = -1
-    if setup.nvme is not None:
+    if setup.nvme is not None and not abstract_only:
       generation = setup.nvme.store.new_generation()
 
     def place(*concrete):
       shared, per_leaf = layout.split(inner.init(treedef.unflatten(leaves_of(concrete))))
       per_leaf = [
-        _map_arrays(part, tiers, _place_array) for part, tiers in zip(per_leaf, setup.array_tiers)
+        setup_lib.map_arrays(part, tiers, _place_array)
+        for part, tiers in zip(per_leaf, setup.array_tiers)
       ]
       return OffloadState(layout.merge(shared, per_leaf), *setup.handles(generation))
 
     concrete = [v for v in values if not isinstance(v, jax.ShapeDtypeStruct)]
+    abstract = jax.eval_shape(place, *concrete)
+    inner_shardings, default = setup_lib.state_shardings(
+      setup, layout, abstract.inner, shardings, named=abstract_only
+    )
+    placed = OffloadState(inner_shardings, default, default)
     if abstract_only:
-      state = jax.eval_shape(place, *concrete)
-      placed = _state_shardings(setup, layout, state, shardings, named=True)
       return jax.tree.map(
-        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, placed
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, placed
       )
     if any(isinstance(v, jax.core.Tracer) for v in concrete):
       if setup.nvme is not None:
@@ -443,41 +266,40 @@ def offload(
       return place(*concrete)
     if setup.nvme is not None:
       _init_nvme(inner, setup, generation, lambda c: treedef.unflatten(leaves_of(c)), concrete)
-    out_shardings = _state_shardings(
-      setup, layout, jax.eval_shape(place, *concrete), shardings, named=False
-    )
-    return jax.jit(place, out_shardings=out_shardings)(*concrete)
+    return jax.jit(place, out_shardings=placed)(*concrete)
 
-  def update_fn(
+  def update(
+    self,
     updates: optax.Updates,
     state: OffloadState,
     params: optax.Params | None = None,
     **extra_args,
   ) -> tuple[optax.Updates, OffloadState]:
-    return update(updates, state, params, extra_args, apply=False)
+    return self.run(updates, state, params, extra_args, apply=False)
 
-  def update(updates, state, params, extra_args, apply):
+  def run(self, updates, state, params, extra_args, apply: bool):
+    """The update; with `apply`, returns new params instead of updates (`update_and_apply`)."""
     if not isinstance(state, OffloadState):
       raise TypeError(
         f"offload's update expects the OffloadState returned by its init, got {type(state).__name__}."
       )
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    paths = [_leaf_path(p) for p, _ in flat]
+    paths = [setup_lib.leaf_path(p) for p, _ in flat]
     grads = [g for _, g in flat]
     param_leaves = None
     if params is not None:
       param_leaves = _matching_leaves(params, treedef, paths, "params")
     dtypes = [jnp.result_type(p) for p in (param_leaves or grads)]
     avals = [jax.ShapeDtypeStruct(jnp.shape(g), d) for g, d in zip(grads, dtypes)]
-    setup = setup_for_update(paths, avals)
-    layout = layout_for(treedef)
+    setup = self.setup_for_update(paths, avals)
+    layout = self.layout_for(treedef)
     shared, per_leaf = _split_checked(setup, layout, state.inner, paths)
     if not grads:
-      new_updates, new_inner = inner.update(updates, state.inner, params, **extra_args)
+      new_updates, new_inner = self.inner.update(updates, state.inner, params, **extra_args)
       return (params if apply else new_updates), state._replace(inner=new_inner)
     try:
       new_updates, new_shared, new_per_leaf, new_generation = stream.run(
-        inner,
+        self.inner,
         layout,
         setup.spec,
         grads,
@@ -485,7 +307,7 @@ def offload(
         per_leaf,
         param_leaves,
         extra_args,
-        placement=update_on,
+        placement=self.update_on,
         nvme=setup.nvme,
         generation=state.nvme_generation,
         store=state.nvme_store,
@@ -498,24 +320,15 @@ def offload(
           "tx.update(grads, state, params).)"
         ) from e
       raise
-    return (
-      treedef.unflatten(new_updates),
-      state._replace(
-        inner=layout.merge(new_shared, new_per_leaf),
-        nvme_generation=new_generation,
-      ),
+    new_state = state._replace(
+      inner=layout.merge(new_shared, new_per_leaf), nvme_generation=new_generation
     )
-
-  _ABSTRACT[init_fn] = lambda params: init_fn(params, abstract_only=True)
-  _APPLYING[update_fn] = lambda grads, state, params, extra_args: update(
-    grads, state, params, extra_args, apply=True
-  )
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return treedef.unflatten(new_updates), new_state
 
 
-_APPLYING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_ABSTRACT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""`offload` update functions -> the same update returning new params (`update_and_apply`)."""
+_OFFLOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The update function of each `offload` transformation -> its `_Offloaded` (for
+`update_and_apply` and `abstract_state`)."""
 
 
 def abstract_state(tx: optax.GradientTransformation, params: optax.Params) -> OffloadState:
@@ -549,10 +362,10 @@ def abstract_state(tx: optax.GradientTransformation, params: optax.Params) -> Of
     >>> real.inner[0].mu["w"].sharding.memory_kind
     'pinned_host'
   """
-  abstract = _ABSTRACT.get(getattr(tx, "init", None))
-  if abstract is None:
+  offloaded = _OFFLOADED.get(getattr(tx, "update", None))
+  if offloaded is None:
     raise TypeError("abstract_state needs a transformation returned by oo.offload.")
-  return abstract(params)
+  return offloaded.init(params, abstract_only=True)
 
 
 def update_and_apply(
@@ -598,70 +411,18 @@ def update_and_apply(
     >>> float(params["w"][0, 0])
     0.5
   """
-  applying = _APPLYING.get(getattr(tx, "update", None))
-  if applying is None:
+  offloaded = _OFFLOADED.get(getattr(tx, "update", None))
+  if offloaded is None:
     raise TypeError(
       "update_and_apply needs a transformation returned by oo.offload (its update applies the "
       "updates group by group). For optax.chain(clip, oo.offload(...)), clip the gradients first: "
       "grads, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState()); then call "
       "oo.update_and_apply(offloaded, grads, state, params)."
     )
-  return applying(grads, state, params, extra_args)
+  return offloaded.run(grads, state, params, extra_args, apply=True)
 
 
-def _named(sharding: Any) -> jax.sharding.NamedSharding:
-  """The same placement as a NamedSharding (one-device shardings on a one-device mesh)."""
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    return sharding
-  (device,) = sharding.device_set
-  mesh = jax.sharding.Mesh(np.array([device]), ("d",))
-  return jax.sharding.NamedSharding(
-    mesh, jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind
-  )
-
-
-def _state_shardings(setup: _Setup, layout, abstract: OffloadState, shardings, named: bool) -> Any:
-  """A sharding for every leaf of the state: where `offload` puts each.
-
-  Offloaded parts take their param's sharding in pinned host memory; parts shaped like their param
-  its sharding on the device; other parts and the shared leaves are replicated (on the params'
-  mesh, or on the first param's device). With `named`, one-device shardings become NamedShardings
-  of a one-device mesh (what abstract tracing needs in jax 0.10).
-  """
-  default = next((s for s in shardings if s is not None), None)
-  if default is None:
-    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  if isinstance(default, jax.sharding.NamedSharding):
-    default = jax.sharding.NamedSharding(default.mesh, jax.sharding.PartitionSpec())
-  elif not isinstance(default, jax.sharding.SingleDeviceSharding):
-    default = jax.sharding.SingleDeviceSharding(next(iter(default.device_set)))
-  default = default.with_memory_kind("device")
-  if named:
-    default = _named(default)
-  shared, per_leaf = layout.split(abstract.inner)
-  shared = [jax.tree.map(lambda _: default, s) for s in shared]
-  placed = []
-  for part, tiers, aval, sharding in zip(
-    per_leaf, setup.array_tiers, setup.param_shapes, shardings
-  ):
-    sharding = default if sharding is None else sharding.with_memory_kind("device")
-    if named:
-      sharding = _named(sharding)
-
-    def spec(tier, j, x, sharding=sharding, shape=aval):
-      if tier is plan_lib.Tier.HOST:
-        return _host_sharding(sharding, x.shape, shape)
-      if tier is plan_lib.Tier.NVME or tuple(x.shape) != tuple(shape):
-        if isinstance(sharding, jax.sharding.NamedSharding):
-          return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-        return default
-      return sharding
-
-    placed.append(_map_arrays(part, tiers, spec))
-  return OffloadState(layout.merge(shared, placed), default, default)
-
-
-def _mismatch_message(known: _Setup, paths: Sequence[str], avals) -> str:
+def _mismatch_message(known: setup_lib.Setup, paths: Sequence[str], avals) -> str:
   """Why gradients of these paths and shapes do not fit the state `known` was planned for."""
 
   def norm(p):  # Flax NNX variables add `.value` to init's paths
@@ -689,7 +450,7 @@ def _mismatch_message(known: _Setup, paths: Sequence[str], avals) -> str:
 def _matching_leaves(tree: Any, treedef: Any, paths: Sequence[str], name: str) -> list[Any]:
   flat, other = jax.tree_util.tree_flatten_with_path(tree)
   if other != treedef:
-    other_paths = [_leaf_path(p) for p, _ in flat]
+    other_paths = [setup_lib.leaf_path(p) for p, _ in flat]
     raise ValueError(
       f"offload: {name} and the gradients have different tree structures ("
       f"{_path_difference(paths, other_paths, 'gradients', name)}). Pass {name} with the same "
@@ -709,7 +470,7 @@ def _path_difference(a: Sequence[str], b: Sequence[str], a_name: str, b_name: st
   return "; ".join(parts) or "same leaves, different container types"
 
 
-def _split_checked(setup: _Setup, layout, inner_state, paths):
+def _split_checked(setup: setup_lib.Setup, layout, inner_state, paths):
   """Splits the state, with errors that name the leaf when it does not match the gradients or lost
   its placement."""
   try:
@@ -747,7 +508,7 @@ def _memory_space(x: Any):
   return getattr(jax.typeof(x), "memory_space", None)
 
 
-def _init_nvme(inner, setup: _Setup, generation: int, build_params, concrete) -> None:
+def _init_nvme(inner, setup: setup_lib.Setup, generation: int, build_params, concrete) -> None:
   """Writes the initial NVMe-tier state group by group, so it never sits whole in memory.
 
   A row slice's state is the inner ``init`` of the slice's rows of the params (a leaf is sliced
@@ -767,7 +528,7 @@ def _init_nvme(inner, setup: _Setup, generation: int, build_params, concrete) ->
       parts = layout.unview(inner.init(layout.masked(leaves, group)), group)[1]
       # Only the NVMe arrays are written: the others are left out of the program.
       return {
-        i: _map_arrays(
+        i: setup_lib.map_arrays(
           part,
           setup.array_tiers[i],
           lambda t, j, x: x if t is plan_lib.Tier.NVME else jnp.zeros((0,), x.dtype),
@@ -777,7 +538,7 @@ def _init_nvme(inner, setup: _Setup, generation: int, build_params, concrete) ->
 
     parts = jax.eval_shape(group_init, *concrete)
     out_shardings = {
-      i: _map_arrays(
+      i: setup_lib.map_arrays(
         part,
         setup.array_tiers[i],
         lambda t, j, x, i=i: tier.sharding((i, j)) if t is plan_lib.Tier.NVME else None,
