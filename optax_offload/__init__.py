@@ -27,9 +27,7 @@ from optax_offload._src.plan import Piece
 from optax_offload._src.plan import Plan
 from optax_offload._src.plan import Tier
 from optax_offload._src.plan import describe_plan
-from optax_offload._src.plan import format_bytes
 from optax_offload._src.plan import make_plan
-from optax_offload._src.plan import parse_bytes
 from optax_offload._src.state import close_nvme
 from optax_offload._src.state import footprint
 from optax_offload._src.state import master_params
@@ -40,6 +38,8 @@ from optax_offload._src.transform import OffloadState
 from optax_offload._src.transform import abstract_state
 from optax_offload._src.transform import offload
 from optax_offload._src.transform import update_and_apply
+from optax_offload._src.units import format_bytes
+from optax_offload._src.units import parse_bytes
 
 __version__ = "0.1.0"
 

@@ -58,6 +58,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from optax_offload._src import layout as layout_lib
 from optax_offload._src import nvme
 from optax_offload._src import nvme_tier
 from optax_offload._src.transform import OffloadState
@@ -258,7 +259,7 @@ def _decompose(state: Any) -> _Plain:
   flat, plain_def = jax.tree_util.tree_flatten_with_path(
     outer_def.unflatten(inners), is_leaf=_is_ref
   )
-  paths = [jax.tree_util.keystr(p) or "<root>" for p, _ in flat]
+  paths = [layout_lib.leaf_path(p) for p, _ in flat]
   return _Plain(outer_def, outer, states, rebuilds, tiers, plain_def, paths, [x for _, x in flat])
 
 

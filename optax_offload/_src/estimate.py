@@ -30,6 +30,7 @@ from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
 from optax_offload._src.measure import Bandwidths
 from optax_offload._src.measure import free_disk
+from optax_offload._src.units import check_options
 from optax_offload._src.units import dtype_name
 from optax_offload._src.units import format_bytes
 from optax_offload._src.units import parse_bytes
@@ -394,14 +395,10 @@ def estimate(
     >>> e.host_bytes, e.device_state_bytes  # mu and nu of w; b's state (and the count) on device
     (8388608, 8196)
   """
-  if update_on not in ("device", "host"):
-    raise ValueError(f"update_on must be 'device' or 'host', got {update_on!r}.")
-  if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-    raise ValueError(f"min_size must be an int >= 0 (number of elements), got {min_size!r}.")
+  window = check_options(update_on, min_size, window_bytes)
   device_memory = parse_bytes(device_memory, "device_memory")
   host_limit = parse_bytes(host_limit, "host_limit")
   nvme_size = parse_bytes(nvme_size, "nvme_size")
-  window = parse_bytes(window_bytes, "window_bytes")
   activations = parse_bytes(activation_bytes, "activation_bytes") or 0
   window = _window(window, device_memory)
   master = _parse_master(master_dtype)
@@ -434,8 +431,6 @@ def estimate(
 
 def _window(window: int | None, device_memory: int | None) -> int:
   """The window `offload` would use: as given, else a fraction of the device's memory, else 1 GiB."""
-  if window == 0:
-    raise ValueError("window_bytes must be > 0; pass None for the default.")
   if window is not None:
     return window
   if device_memory:
@@ -529,7 +524,7 @@ def _leaves(tree: Any, tx, master, min_size: int) -> _Leaves:
         f"params leaf {jax.tree_util.keystr(path)} is a {type(x).__name__}, not an array or "
         "jax.ShapeDtypeStruct."
       )
-  paths = [jax.tree_util.keystr(p) or "<root>" for p, _ in flat]
+  paths = [layout_lib.leaf_path(p) for p, _ in flat]
   dtypes = [jnp.dtype(x.dtype) for _, x in flat]
   sizes = [math.prod(x.shape) for _, x in flat]
   has_master = [master is not None and _needs_master(d, master) for d in dtypes]

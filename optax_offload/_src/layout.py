@@ -21,6 +21,11 @@ PerLeaf = tuple[Any, ...]
 """The state parts of one parameter leaf: one entry per parameter-shaped slot of the state."""
 
 
+def leaf_path(path) -> str:
+  """A leaf's key path as text, for messages (``"<root>"`` for a bare array)."""
+  return jax.tree_util.keystr(path) or "<root>"
+
+
 def is_placeholder(x: Any) -> bool:
   return isinstance(x, _compat.ParamsPlaceholder)
 

@@ -9,33 +9,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-import re
 from collections.abc import Sequence
+
+from optax_offload._src.units import format_bytes
 
 DEFAULT_WINDOW_FRACTION = 0.1
 """Default `window_bytes`: this fraction of the device's memory, when the backend reports it."""
 
 FALLBACK_WINDOW_BYTES = 1 << 30
 """Default `window_bytes` when the backend does not report its memory (e.g. the CPU backend)."""
-
-_UNITS = {
-  "": 1,
-  "B": 1,
-  "KB": 10**3,
-  "MB": 10**6,
-  "GB": 10**9,
-  "TB": 10**12,
-  "KIB": 2**10,
-  "MIB": 2**20,
-  "GIB": 2**30,
-  "TIB": 2**40,
-  "K": 2**10,
-  "M": 2**20,
-  "G": 2**30,
-  "T": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
-
 
 GPU_PINNED_POOL_DEFAULT = 64 * 2**30
 """JAX's GPU client caps its pinned host pool at 64 GiB per device unless
@@ -78,67 +60,6 @@ class Tier(enum.Enum):
   DEVICE = "device"
   HOST = "host"
   NVME = "nvme"
-
-
-def parse_bytes(value: int | str | None, name: str) -> int | None:
-  """Parses a byte count given as an int or a string such as ``"64GiB"`` or ``"1.5 GB"``.
-
-  Args:
-    value: an int, a string with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; the
-      bare K, M, G, T are binary like KiB, MiB, GiB, TiB, as in ``free -g``), or None.
-    name: the argument's name, for error messages.
-
-  Returns:
-    The number of bytes, or None when `value` is None.
-
-  Raises:
-    ValueError: for a negative or unparseable value.
-    TypeError: for a value that is neither int, str nor None.
-
-  Examples:
-    >>> parse_bytes("64GiB", "host_limit")
-    68719476736
-    >>> parse_bytes("1.5 MB", "window_bytes")
-    1500000
-    >>> parse_bytes(4096, "window_bytes")
-    4096
-    >>> parse_bytes("64G", "host_limit") == parse_bytes("64GiB", "host_limit")
-    True
-  """
-  if value is None:
-    return None
-  if isinstance(value, bool) or not isinstance(value, int | str):
-    raise TypeError(
-      f"{name} must be an int number of bytes or a string like '64GiB', got {type(value).__name__}"
-      f" ({value!r})."
-    )
-  if isinstance(value, int):
-    if value < 0:
-      raise ValueError(f"{name} must be >= 0 bytes, got {value}.")
-    return value
-  match = _SIZE_RE.match(value)
-  unit = match.group(2).upper() if match else None
-  if match is None or unit not in _UNITS:
-    raise ValueError(
-      f"Could not parse {name}={value!r}: use an int or a number with a unit, e.g. '64GiB', "
-      f"'500MB' (units: {', '.join(u for u in _UNITS if u)})."
-    )
-  return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(n: int) -> str:
-  """Formats a byte count with a binary unit.
-
-  Examples:
-    >>> format_bytes(3 * 2**30)
-    '3.00 GiB'
-    >>> format_bytes(512)
-    '512 B'
-  """
-  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if abs(n) >= size:
-      return f"{n / size:.2f} {unit}"
-  return f"{n} B"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,10 +110,6 @@ def _array_tiers(part: Any, tier: plan_lib.Tier, min_size: int) -> tuple[plan_li
   )
 
 
-def leaf_path(path) -> str:
-  return jax.tree_util.keystr(path) or "<root>"
-
-
 def _unsharded_axes(sharding: Any) -> int:
   """How many leading axes of a param are not sharded (at most 2)."""
   if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):

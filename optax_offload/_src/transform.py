@@ -21,12 +21,12 @@ from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import setup as setup_lib
 from optax_offload._src import stream
+from optax_offload._src import units
 
 logger = logging.getLogger(__name__)
 
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
-_UPDATE_ON = ("device", "host")
 
 
 class OffloadState(NamedTuple):
@@ -112,8 +112,7 @@ def offload(
     >>> oo.footprint(state)
     {'device': 1036, 'host': 65536, 'nvme': 0}
   """
-  if update_on not in _UPDATE_ON:
-    raise ValueError(f"update_on must be one of {_UPDATE_ON}, got {update_on!r}.")
+  window = units.check_options(update_on, min_size, window_bytes)
   if master_dtype is not None:
     try:
       master_dtype = jnp.dtype(master_dtype)
@@ -128,12 +127,7 @@ def offload(
   if nvme_dir is not None and not isinstance(nvme_dir, str | os.PathLike):
     raise TypeError(f"nvme_dir must be a directory path, got {type(nvme_dir).__name__}.")
   nvme_options = dict(nvme_options or {})
-  if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-    raise ValueError(f"min_size must be an int >= 0 (number of elements), got {min_size!r}.")
-  host_limit_bytes = plan_lib.parse_bytes(host_limit, "host_limit")
-  window = plan_lib.parse_bytes(window_bytes, "window_bytes")
-  if window == 0:
-    raise ValueError("window_bytes must be > 0; pass None for the default.")
+  host_limit_bytes = units.parse_bytes(host_limit, "host_limit")
 
   inner = optax.with_extra_args_support(inner)
   if master_dtype is not None:
@@ -219,7 +213,7 @@ class _Offloaded:
         inner.init(params), jnp.asarray(-1, jnp.int32), jnp.asarray(-1, jnp.int32)
       )
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    paths = [setup_lib.leaf_path(p) for p, _ in flat]
+    paths = [layout_lib.leaf_path(p) for p, _ in flat]
     values = [v for _, v in flat]
     avals = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in values]
     shardings = [getattr(v, "sharding", None) for v in values]
@@ -284,7 +278,7 @@ class _Offloaded:
         f"offload's update expects the OffloadState returned by its init, got {type(state).__name__}."
       )
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    paths = [setup_lib.leaf_path(p) for p, _ in flat]
+    paths = [layout_lib.leaf_path(p) for p, _ in flat]
     grads = [g for _, g in flat]
     param_leaves = None
     if params is not None:
@@ -450,7 +444,7 @@ def _mismatch_message(known: setup_lib.Setup, paths: Sequence[str], avals) -> st
 def _matching_leaves(tree: Any, treedef: Any, paths: Sequence[str], name: str) -> list[Any]:
   flat, other = jax.tree_util.tree_flatten_with_path(tree)
   if other != treedef:
-    other_paths = [setup_lib.leaf_path(p) for p, _ in flat]
+    other_paths = [layout_lib.leaf_path(p) for p, _ in flat]
     raise ValueError(
       f"offload: {name} and the gradients have different tree structures ("
       f"{_path_difference(paths, other_paths, 'gradients', name)}). Pass {name} with the same "

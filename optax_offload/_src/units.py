@@ -1,7 +1,7 @@
 """Units a user types: parameter counts (``"7B"``), dtypes (``"bf16"``) and byte sizes (``"64GiB"``).
 
-Pure parsing and naming, no JAX execution. `parse_bytes` and `format_bytes` still live in `plan` and
-are re-exported here, so that callers can import every unit from one place until they move.
+Pure parsing and naming, no JAX execution; also the checks of the options `offload` and `estimate`
+share.
 """
 
 from __future__ import annotations
@@ -13,10 +13,26 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from optax_offload._src.plan import format_bytes
-from optax_offload._src.plan import parse_bytes
-
 __all__ = ("dtype_name", "format_bytes", "parse_bytes", "parse_count", "parse_dtype")
+
+_UNITS = {
+  "": 1,
+  "B": 1,
+  "KB": 10**3,
+  "MB": 10**6,
+  "GB": 10**9,
+  "TB": 10**12,
+  "KIB": 2**10,
+  "MIB": 2**20,
+  "GIB": 2**30,
+  "TIB": 2**40,
+  "K": 2**10,
+  "M": 2**20,
+  "G": 2**30,
+  "T": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+
 
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
@@ -110,3 +126,83 @@ def dtype_name(dtype: np.dtype) -> str:
     ('bf16', 'int8')
   """
   return _SHORT_DTYPE.get(dtype.name, dtype.name)
+
+
+def parse_bytes(value: int | str | None, name: str) -> int | None:
+  """Parses a byte count given as an int or a string such as ``"64GiB"`` or ``"1.5 GB"``.
+
+  Args:
+    value: an int, a string with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; the
+      bare K, M, G, T are binary like KiB, MiB, GiB, TiB, as in ``free -g``), or None.
+    name: the argument's name, for error messages.
+
+  Returns:
+    The number of bytes, or None when `value` is None.
+
+  Raises:
+    ValueError: for a negative or unparseable value.
+    TypeError: for a value that is neither int, str nor None.
+
+  Examples:
+    >>> parse_bytes("64GiB", "host_limit")
+    68719476736
+    >>> parse_bytes("1.5 MB", "window_bytes")
+    1500000
+    >>> parse_bytes(4096, "window_bytes")
+    4096
+    >>> parse_bytes("64G", "host_limit") == parse_bytes("64GiB", "host_limit")
+    True
+  """
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, int | str):
+    raise TypeError(
+      f"{name} must be an int number of bytes or a string like '64GiB', got {type(value).__name__}"
+      f" ({value!r})."
+    )
+  if isinstance(value, int):
+    if value < 0:
+      raise ValueError(f"{name} must be >= 0 bytes, got {value}.")
+    return value
+  match = _SIZE_RE.match(value)
+  unit = match.group(2).upper() if match else None
+  if match is None or unit not in _UNITS:
+    raise ValueError(
+      f"Could not parse {name}={value!r}: use an int or a number with a unit, e.g. '64GiB', "
+      f"'500MB' (units: {', '.join(u for u in _UNITS if u)})."
+    )
+  return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+  """Formats a byte count with a binary unit.
+
+  Examples:
+    >>> format_bytes(3 * 2**30)
+    '3.00 GiB'
+    >>> format_bytes(512)
+    '512 B'
+  """
+  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n} B"
+
+
+UPDATE_ON = ("device", "host")
+
+
+def check_options(update_on: str, min_size: Any, window_bytes: Any) -> int | None:
+  """Checks the options `offload` and `estimate` share; returns the window in bytes (None: default).
+
+  Raises:
+    ValueError: for a bad value, naming it.
+  """
+  if update_on not in UPDATE_ON:
+    raise ValueError(f"update_on must be one of {UPDATE_ON}, got {update_on!r}.")
+  if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+    raise ValueError(f"min_size must be an int >= 0 (number of elements), got {min_size!r}.")
+  window = parse_bytes(window_bytes, "window_bytes")
+  if window == 0:
+    raise ValueError("window_bytes must be > 0; pass None for the default.")
+  return window
