@@ -20,9 +20,9 @@ sizes (a smoke test: CPU transfers are memory copies).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -30,6 +30,9 @@ import jax.numpy as jnp
 import optax
 
 import optax_offload as oo
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import write_json  # noqa: E402
 
 _COLS = 4096
 _MEMORY_FIELDS = (
@@ -246,10 +249,7 @@ def main(argv=None) -> dict:
     "footprint_offload": steps["footprint_offload"],
     "ratio_link_offload_vs_device_put": link / plain_link,
   }
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  return result
+  return write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import optax_offload as oo  # noqa: E402
 from benchmarks import llama  # noqa: E402
+from benchmarks._common import write_json  # noqa: E402
 from optax_offload._src import gpu_program  # noqa: E402
 
 VARIANTS = ("plain_fp32", "plain_bf16", "offload_state")
@@ -187,8 +188,7 @@ def main(argv=None) -> dict:
     with open(args.json, "w") as f:
       for r in rows:
         f.write(json.dumps(r) + "\n")
-    with open(os.path.splitext(args.json)[0] + "_largest.json", "w") as f:
-      json.dump(largest_rows, f, indent=2)
+    write_json({"largest": largest_rows}, os.path.splitext(args.json)[0] + "_largest.json")
   return result
 
 

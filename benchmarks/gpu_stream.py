@@ -12,7 +12,6 @@ leaves of 64 MiB at a 512 MiB window; one stacked leaf of 32 layers (2 GiB of st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,6 +24,7 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import optax_offload as oo  # noqa: E402
+from benchmarks._common import write_json  # noqa: E402
 from optax_offload._src import gpu_program  # noqa: E402
 
 MiB = 1 << 20
@@ -83,9 +83,7 @@ def main(argv=None) -> list[dict]:
         flush=True,
       )
   if args.json:
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-      json.dump(rows, f, indent=2)
+    write_json({"benchmark": "gpu_stream", "target": args.target, "rows": rows}, args.json)
   return rows
 
 
