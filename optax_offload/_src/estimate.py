@@ -566,9 +566,9 @@ def _estimate_tree(tree: Any, tx, master, min_size: int, common) -> Estimate:
     plan = plan_lib.make_plan(t.infos, host_limit=None, nvme=False, **kwargs)
   group_bytes = plan.group_bytes(t.infos)
   pairs = [a + b for a, b in zip(group_bytes, group_bytes[1:])] or group_bytes
-  nvme_groups = [
-    sum(t.infos[i].state_bytes for i in g if plan.tiers[i] is plan_lib.Tier.NVME)
-    for g in plan.groups
+  nvme_groups = [  # a row slice counts its own rows
+    sum(plan.piece_bytes(p, t.infos) for p in unit if plan.tiers[p.leaf] is plan_lib.Tier.NVME)
+    for unit in plan.units
   ]
   offloaded = [plan.tiers[i] is not plan_lib.Tier.DEVICE for i in range(len(t.infos))]
   param_bytes = sum(s * d.itemsize for s, d in zip(t.sizes, t.dtypes))
