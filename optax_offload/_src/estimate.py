@@ -473,6 +473,13 @@ def _needs_master(dtype: np.dtype, master: np.dtype) -> bool:
   return jnp.finfo(dtype).bits < jnp.finfo(master).bits
 
 
+def _host_returns(n: int, param_dtype: np.dtype, update_dtype: np.dtype) -> int:
+  """Device bytes the host update adds beyond the gradients: XLA:GPU (jax 0.10) runs a step's host
+  groups as one call, so all updates (in the master dtype, if any) come back at once, while the
+  gradients they replace have left."""
+  return max(0, n * (update_dtype.itemsize - param_dtype.itemsize))
+
+
 def _estimate_count(n: int, dtype: np.dtype, master, opt: _Optimizer, common) -> Estimate:
   use_master = master is not None and _needs_master(dtype, master)
   state_dtype = master if use_master else dtype
@@ -491,7 +498,7 @@ def _estimate_count(n: int, dtype: np.dtype, master, opt: _Optimizer, common) ->
     param_bytes=param_bytes,
     grad_bytes=param_bytes,
     device_state_bytes=0,
-    window_peak=min(window, offloaded) if on_device else 0,
+    window_peak=min(window, offloaded) if on_device else _host_returns(n, dtype, state_dtype),
     master_bytes=master_bytes,
     host_bytes=host,
     nvme_bytes=nvme,
@@ -587,7 +594,13 @@ def _estimate_tree(tree: Any, tx, master, min_size: int, common) -> Estimate:
     param_bytes=param_bytes,
     grad_bytes=param_bytes,
     device_state_bytes=t.small + plan.bytes_per_tier["device"],
-    window_peak=max(pairs, default=0) if on_device else 0,
+    window_peak=max(pairs, default=0)
+    if on_device
+    else sum(
+      _host_returns(s, d, master if m else d)
+      for s, d, m, o in zip(t.sizes, t.dtypes, t.has_master, offloaded)
+      if o
+    ),
     master_bytes=sum(
       s * master.itemsize for s, m, o in zip(t.sizes, t.has_master, offloaded) if m and o
     ),
