@@ -122,7 +122,10 @@ def test_following_the_window_advice_makes_it_fit():
 
 def test_host_update_moves_grads_and_updates_over_the_link():
   e = oo.estimate("1B", param_dtype="bf16", master_dtype="fp32", update_on="host")
-  assert e.window_peak == 0
+  # No window; XLA:GPU (jax 0.10) runs a step's host groups as one call, so the fp32 updates all
+  # come back at once, 2 B/param beyond the bf16 grads they replace (the compiled 7B and 13B
+  # Llama steps match this to the byte: benchmarks/gpu_memory.py --variants offload_host).
+  assert e.window_peak == 10**9 * (4 - 2)
   assert e.link_bytes == 10**9 * (2 + 4)  # bf16 grads to the host, fp32 updates back
   # AdamW on the host: state (master, mu, nu: 12 B) read and written, grad read, update written.
   assert e.step_times["host_update"] == pytest.approx((2 * 12e9 + 6e9) / 40e9)

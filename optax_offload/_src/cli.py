@@ -155,7 +155,10 @@ def _tiers(e: estimate_lib.Estimate) -> list[str]:
   lines = [f"{'tier':<8}{'bytes':>12}  holds"]
   device_parts = [f"params {fmt(e.param_bytes)}", f"grads {fmt(e.grad_bytes)}"]
   if e.window_peak:
-    device_parts.append(f"window {fmt(e.window_peak)} (window_bytes {fmt(e.window_bytes)})")
+    if e.update_on == "host":
+      device_parts.append(f"updates returned at once, beyond the grads {fmt(e.window_peak)}")
+    else:
+      device_parts.append(f"window {fmt(e.window_peak)} (window_bytes {fmt(e.window_bytes)})")
   if e.device_state_bytes:
     device_parts.append(f"small-leaf state {fmt(e.device_state_bytes)}")
   if e.activation_bytes:
