@@ -1,43 +1,200 @@
-"""Non-public names of JAX, jaxlib and optax that optax_offload relies on, in one place.
+"""Non-public or version-dependent names of JAX, jaxlib and optax, in one place.
 
-Each entry says what it is for and since/until which version it is known to hold. When a JAX
-release moves one of them, this is the only file to change.
+When a JAX or optax release moves one of them, this is the only file to change. The table below
+says, for every such name optax_offload uses, what it is for and what the versions in question
+offer: jax 0.10.2 (installed and tested) and jax 0.12.0.1 (read from its published wheel, for
+Python 3.12, not run). Names that are public and unchanged between the two are listed too, so the
+table is the whole list to check when moving. "same" means the signature quoted is 0.12.0.1's too.
+
+====================================  ==========================================================
+name (where used)                     0.10.2 -> 0.12.0.1
+====================================  ==========================================================
+jax.experimental.compute_on           Context manager ``compute_on(compute_type: str)`` up to
+.compute_on (host_compute, via        0.11.0; from 0.11.1 a decorator
+`compute_on_host`)                    ``compute_on(f=None, *, compute_type, out_memory_spaces,
+                                      compiler_options=None)`` (spelled ``compute_on2`` in
+                                      0.10.1-0.11.0) and the context manager is gone.
+jax._src.compute_on                   Private, same: ``extend_compute_type(c_type: str | None)``,
+.extend_compute_type                  the context manager the public one wrapped (it only added
+(`compute_on_host`, jax >= 0.11.1)    a check of the name); jit's lowering still tags its call
+                                      with the compute type (0.12 pjit.py:
+                                      ``mlir.wrap_compute_type_in_place(ctx, call.operation)``).
+jax.extend.core.ClosedJaxpr           A class up to 0.10.x; since 0.11.0 an alias of ``Jaxpr``
+(host_compute)                        (0.12: ``Jaxpr as ClosedJaxpr``), whose ``.jaxpr`` is itself
+                                      and which keeps ``.consts``/``.constvars``/``.invars``/
+                                      ``.eqns``/``.outvars``. ``isinstance`` also matches open
+                                      jaxprs then: used only on `CALL_PRIMITIVES`' params.
+jax.extend.core.Literal (host_comp.)  same: ``.val``.
+jax.extend.core.Primitive API         same: ``get_bind_params(params)``, ``bind``,
+(host_compute: eqn.primitive)         ``multiple_results``, ``name``.
+call-primitive names (`CALL_          ``closed_call`` up to 0.11.0, ``eval_jaxpr`` from 0.11.1
+PRIMITIVES`, host_compute)            (``closed_call_p`` is an alias of ``eval_jaxpr_p``);
+                                      ``jit``, ``custom_jvp_call``, ``custom_vjp_call`` same
+                                      (body: first Jaxpr-typed param, ``jaxpr``/``call_jaxpr``).
+jax.core.Tracer (`Tracer`, state,     Public, same.
+transform, stream)
+jax.memory.Space                      Public, same (``core.MemorySpace``: Device, Host, Any).
+jax.device_put(x, Space) in jit       Public, same (api.device_put accepts ``core.MemorySpace``).
+jax.shard_map (nvme_tier)             Public, same: ``shard_map(f=None, /, *, out_specs,
+                                      in_specs=Infer, mesh=None, axis_names=frozenset(),
+                                      check_vma=True)``.
+jax.experimental.io_callback          Same: ``io_callback(callback, result_shape_dtypes, *args,
+(nvme_tier)                           sharding=None, ordered=False, **kwargs)``.
+jax._src.interpreters.mlir            Private, same: ``get_backend(self, optional: bool = False)
+.ModuleContext.get_backend            -> xc.Client | None``; 0.12's callback lowering still calls
+(`lowering_backend`)                  ``ctx.module_context.get_backend()``.
+jax._src.lib.xla_client               Private, same: ``CompileOptions = _xla.CompileOptions``;
+.CompileOptions, .env_option_         0.12's compiler.py sets ``compile_options.env_option_
+overrides (`compile_for_topology`)    overrides = list(env_options_overrides.items())``.
+DeviceList (`compile_for_topology`)   Was ``jax._src.lib._jax.DeviceList``; now taken from
+                                      ``xla_client.DeviceList`` (the same object in 0.10.2;
+                                      ``DeviceList = _xla.DeviceList`` in jaxlib 0.12.0.1, what
+                                      JAX itself calls as ``xc.DeviceList(...)``).
+compile-only client ``.compile``      Same call as 0.12's ``compiler.backend_compile_and_load``
+(`compile_for_topology`)              makes for a ``CompileOnlyPyClient``: ``backend.compile(
+                                      module, executable_devices=..., compile_options=...)``.
+jax.experimental.topologies           Same: ``get_topology_desc(topology_name: str = "",
+.get_topology_desc (gpu_program)      platform: str | None = None, **kwargs)``.
+jax.stages.Traced.lower (gpu_prog.)   Same: ``lower(self, *, lowering_platforms: tuple[str, ...]
+                                      | None = None, _private_parameters=None)``.
+jax.stages.Lowered.compiler_ir        Same: ``compiler_ir(self, dialect: str | None = None)``.
+CUDA plugin (`check_gpu_compile_      ``jax_plugins.xla_cuda12`` (jax-cuda12-plugin/-pjrt ==
+support`)                             jax's version); 0.12 also ships a cuda13 plugin.
+optax.tree_utils._state_utils         Private; same in optax 0.2.8, the newest on PyPI.
+._ParamsPlaceholder (layout)
+optax._src.base.NO_PARAMS_MSG         Private; same in optax 0.2.8 (fallback string below).
+(master, transform)
+====================================  ==========================================================
+
+jax >= 0.11 needs Python >= 3.12 (its wheels say ``Requires-Python: >=3.12``); the machines this
+project runs on have Python 3.11, hence the ``jax<0.11`` pin in pyproject.toml. Moving to
+jax 0.12: Python 3.12, the pins, `SUPPORTED_JAX` below, then run the suite (the jax >= 0.11.1
+branch of `compute_on_host` and the jaxpr/primitive rows above are what changes underneath).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.experimental.compute_on import compute_on as _compute_on
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Literal
 from optax.tree_utils._state_utils import _ParamsPlaceholder as ParamsPlaceholder
-
-# --- optax (checked with 0.2.8) ------------------------------------------------------------------
-# `ParamsPlaceholder`: what `optax.tree_utils.tree_map_params` passes to `init` to learn where a
-# state holds parameter-shaped subtrees (optax 0.2.x: private, in `optax.tree_utils._state_utils`).
 
 try:  # optax 0.2.x keeps the message of its "params are required" error in `optax._src.base`.
   from optax._src.base import NO_PARAMS_MSG
 except ImportError:  # pragma: no cover - a later optax moved it
   NO_PARAMS_MSG = "You are using a transformation that requires the current value of parameters"
 
-# --- jax (checked with 0.10.2) --------------------------------------------------------------------
-# `ClosedJaxpr`, `Literal`: jaxpr types for replaying a function's equations (host_compute); public
-# in `jax.extend.core` since jax 0.4.3x.
-
 Tracer = jax.core.Tracer
 
-__all__ = ["ClosedJaxpr", "Literal", "NO_PARAMS_MSG", "ParamsPlaceholder", "Tracer"]
+# Call-like primitives whose body (their first jaxpr-typed parameter) host_compute replays inline.
+# "closed_call" is jax <= 0.11.0's name, "eval_jaxpr" jax >= 0.11.1's. "pjit", "core_call" and
+# "remat" name no primitive of jax 0.10.2 or 0.12 (remat's is "remat2"); they are kept so that
+# this list does not change what is inlined.
+CALL_PRIMITIVES = (
+  "jit",
+  "pjit",
+  "closed_call",
+  "eval_jaxpr",
+  "core_call",
+  "custom_jvp_call",
+  "custom_vjp_call",
+  "remat",
+)
+
+__all__ = [
+  "CALL_PRIMITIVES",
+  "ClosedJaxpr",
+  "Literal",
+  "NO_PARAMS_MSG",
+  "ParamsPlaceholder",
+  "Tracer",
+  "compute_on_host",
+]
 
 SUPPORTED_JAX = ((0, 10, 2), (0, 11, 0))
-"""Range of jax versions whose private entry points below were checked: [low, high)."""
+"""Range of jax versions whose private entry points below were run: [low, high).
+
+jax 0.12.0.1's source was read and has the same entry points (see the table above); raise `high`
+once tests/test_gpu_program.py passed on it.
+"""
+
+COMPUTE_ON_IS_DECORATOR = "out_memory_spaces" in inspect.signature(_compute_on).parameters
+"""True from jax 0.11.1: ``compute_on(f, *, compute_type, out_memory_spaces)``; False up to
+0.11.0: ``with compute_on(compute_type):``."""
 
 
 def jax_version() -> tuple[int, ...]:
   return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def compute_on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """Returns ``fn`` as a host computation (compute type ``"device_host"``).
+
+  Args:
+    fn: a function of arrays (positional arguments).
+
+  Returns:
+    A function with ``fn``'s signature that runs ``jax.jit(fn)`` on the host, its outputs in the
+    memory spaces ``fn`` gives them: inside ``with compute_on("device_host")`` on jax <= 0.11.0,
+    inside the private context manager that one wrapped on jax >= 0.11.1 (see below).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.device_put(jnp.arange(3.0), jax.memory.Space.Host)
+    >>> y = jax.jit(compute_on_host(lambda x: x * 2))(x)
+    >>> y.tolist(), y.sharding.memory_kind
+    ([0.0, 2.0, 4.0], 'pinned_host')
+  """
+  if not COMPUTE_ON_IS_DECORATOR:
+    host_context = functools.partial(_compute_on, "device_host")
+  else:  # pragma: no cover - jax >= 0.11.1, which needs Python >= 3.12
+    # Why not the public decorator: with jax 0.10.2's `compute_on2` (the signature of 0.11.1's
+    # `compute_on`, and much the same lowering as 0.12.0.1's: a called function tagged with the
+    # compute type, outputs wrapped with their memory kinds) the H100 program of an
+    # `update_on="host"` step splits into 14 host calls whose outputs land in device memory, and
+    # the host state crosses the link twice per step (78 x 16 MiB each way in
+    # tests/test_gpu_program.py's host-update case, against none with the context manager).
+    # Numerics are the same. `_host_decorated` stays as the fallback.
+    try:
+      from jax._src.compute_on import extend_compute_type
+    except ImportError:
+      return _host_decorated(_compute_on, fn)
+    host_context = functools.partial(extend_compute_type, "device_host")
+
+  def run(*args: Any) -> Any:
+    with host_context():
+      return jax.jit(fn)(*args)
+
+  return run
+
+
+def _host_decorated(decorator: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` through the decorator form of ``compute_on``, every output in host memory.
+
+  Written against jax 0.12.0.1's ``jax._src.compute_on.compute_on(f=None, *, compute_type,
+  out_memory_spaces, compiler_options=None)``: it traces ``f`` under the compute type, then
+  broadcasts ``out_memory_spaces`` over the output tree (``api_util.flatten_axes``, so one
+  ``Space`` stands for all) and labels each output with it without checking what ``f``
+  produced, hence the explicit move of device-typed outputs. Not run on jax 0.12 (Python 3.11
+  here); jax 0.10.2's ``compute_on2`` has the same signature and runs this code.
+  """
+  host = jax.memory.Space.Host
+
+  def to_host(x: Any) -> Any:
+    return x if getattr(jax.typeof(x), "memory_space", None) == host else jax.device_put(x, host)
+
+  def fn_on_host(*args: Any) -> Any:
+    return jax.tree.map(to_host, fn(*args))
+
+  return decorator(fn_on_host, compute_type="device_host", out_memory_spaces=host)
 
 
 def check_gpu_compile_support() -> None:
@@ -66,7 +223,7 @@ def lowering_backend(client: Any):
   Lowering a host callback (``io_callback``, the NVMe tier's) asks the module's backend for its
   platform; lowering for CUDA from CPU arrays has the CPU client there and fails. The callback's
   lowering only needs the platform, so a compile-only client of the target answers. Replaces
-  jax 0.10.2's private ``mlir.ModuleContext.get_backend`` for the duration.
+  the private ``mlir.ModuleContext.get_backend`` (jax 0.10.2 to 0.12.0.1) for the duration.
   """
   from jax._src.interpreters import mlir
 
@@ -87,8 +244,9 @@ def lowering_backend(client: Any):
 def compile_for_topology(lowered: jax.stages.Lowered, device: Any, env_overrides=()) -> Any:
   """Compiles a lowered computation for one compile-only device of a topology.
 
-  jax 0.10's public ``Lowered.compile()`` compiles with the backend the arrays were on (the CPU);
-  compiling for a topology's device needs its client. Checked for jax 0.10.2.
+  jax's public ``Lowered.compile()`` compiles with the backend the arrays were on (the CPU);
+  compiling for a topology's device needs its client. Run on jax 0.10.2; jax 0.12.0.1 has the
+  same entry points (table above).
 
   Args:
     lowered: ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``.
@@ -99,14 +257,13 @@ def compile_for_topology(lowered: jax.stages.Lowered, device: Any, env_overrides
   Returns:
     The loaded executable (``get_compiled_memory_stats()``, ``hlo_modules()``).
   """
-  from jax._src.lib import _jax  # DeviceList: jaxlib-private since 0.4.3x
-  from jax._src.lib import xla_client  # CompileOptions
+  from jax._src.lib import xla_client  # CompileOptions, DeviceList: jaxlib-private
 
   options = xla_client.CompileOptions()
   if env_overrides:
     options.env_option_overrides = [(str(k), v) for k, v in env_overrides]
   return device.client.compile(
     lowered.compiler_ir("stablehlo"),
-    executable_devices=_jax.DeviceList((device,)),
+    executable_devices=xla_client.DeviceList((device,)),
     compile_options=options,
   )

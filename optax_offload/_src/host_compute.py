@@ -5,8 +5,9 @@ spaces. Inside a host computation that bites on constants: ``jnp.ones_like(x)`` 
 on a host array builds a *device*-typed constant (optax's adafactor, adagrad, lamb, lars, sm3 all
 do). `run_on_host` therefore traces the function on device-typed stand-ins (where every op is well
 typed), then replays the jaxpr equation by equation on the host arrays inside
-``compute_on("device_host")``, moving any device-typed operand (a constant built inside) to host
-memory before the op that mixes it in. The arithmetic is the function's own; only placement changes.
+``compute_on("device_host")`` (`_compat.compute_on_host`: the context manager or the decorator
+form, by jax version), moving any device-typed operand (a constant built inside) to host memory
+before the op that mixes it in. The arithmetic is the function's own; only placement changes.
 """
 
 from __future__ import annotations
@@ -15,14 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.experimental.compute_on import compute_on
 
 from optax_offload._src import _compat
 
 HOST = jax.memory.Space.Host
-
-# Call-like primitives whose body is replayed inline (their first closed-jaxpr parameter).
-_INLINE = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat")
 
 
 def _space(x: Any):
@@ -47,7 +44,7 @@ def _replay(closed: _compat.ClosedJaxpr, *args: Any) -> list[Any]:
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     body = None
-    if eqn.primitive.name in _INLINE:
+    if eqn.primitive.name in _compat.CALL_PRIMITIVES:
       body = next((p for p in eqn.params.values() if isinstance(p, _compat.ClosedJaxpr)), None)
     if body is not None:
       outvals = _replay(body, *invals)
@@ -86,6 +83,5 @@ def run_on_host(fn: Callable[..., Any], *args: Any) -> Any:
   closed, out_shape = jax.make_jaxpr(lambda *f: fn(*treedef.unflatten(f)), return_shape=True)(
     *stand_ins
   )
-  with compute_on("device_host"):
-    out = jax.jit(lambda *f: _replay(closed, *f))(*flat)
+  out = _compat.compute_on_host(lambda *f: _replay(closed, *f))(*flat)
   return jax.tree.unflatten(jax.tree.structure(out_shape), out)
