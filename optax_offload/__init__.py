@@ -17,6 +17,9 @@ from optax_offload._src.estimate import estimate
 from optax_offload._src.gpu_program import GpuProgram
 from optax_offload._src.gpu_program import compile_for_gpu
 from optax_offload._src.grads import value_and_grad_to_host
+from optax_offload._src.layers import STREAM_XLA_OPTIONS
+from optax_offload._src.layers import offloaded_scan
+from optax_offload._src.layers import to_pinned_host
 from optax_offload._src.measure import Bandwidths
 from optax_offload._src.measure import measure_bandwidths
 from optax_offload._src.nvme import NvmeCorruptionError
@@ -57,6 +60,7 @@ __all__ = (
   "OffloadState",
   "Piece",
   "Plan",
+  "STREAM_XLA_OPTIONS",
   "Tier",
   "abstract_state",
   "close_nvme",
@@ -69,10 +73,12 @@ __all__ = (
   "master_params",
   "measure_bandwidths",
   "offload",
+  "offloaded_scan",
   "parse_bytes",
   "sync_nvme",
   "tiers",
   "to_inner",
+  "to_pinned_host",
   "update_and_apply",
   "value_and_grad_to_host",
 )

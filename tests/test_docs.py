@@ -16,7 +16,7 @@ DOCS = os.path.join(ROOT, "docs")
 # Pages written by others; until they exist the nav and links to them are the only allowed warnings.
 OTHERS_PAGES = ("checkpoints.md", "multihost.md")
 # Pages whose ```python blocks run as one script each (``` sh / text blocks are not run).
-RUNNABLE_PAGES = ("index.md", "quickstart.md", "tiers.md", "flax.md", "gpu.md")
+RUNNABLE_PAGES = ("index.md", "quickstart.md", "tiers.md", "flax.md", "gpu.md", "layers.md")
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 

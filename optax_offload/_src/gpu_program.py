@@ -68,7 +68,7 @@ _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
 _OPCODE_RE = re.compile(r"(?:^|[\s)\]}])([a-z][a-z0-9\-]*)\(")
 _CALLS_RE = re.compile(
-  r"\b(?:calls|body|condition|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?"
+  r"\b(?:calls|body|condition|to_apply|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 _HOST_SPACE = "S(5)"
 
@@ -164,10 +164,62 @@ class Schedule:
   callbacks: tuple[str, ...]
   host_compute: tuple[str, ...]
 
-  def overlap(self, direction: str) -> tuple[int, int]:
-    """(copies in flight during some compute, all copies) in one direction."""
-    chosen = [c for c in self.copies if c.direction == direction]
-    return sum(c.in_flight_during_compute for c in chosen), len(chosen)
+  def overlap(
+    self,
+    direction: str,
+    *,
+    per_execution: bool = False,
+    matmul: bool = False,
+    computation: str | None = None,
+  ) -> tuple[int, int]:
+    """(copies in flight during some compute, all copies) in one direction.
+
+    Args:
+      direction: ``"to_device"`` or ``"to_host"``.
+      per_execution: count a copy in a loop body once per iteration (`executions`).
+      matmul: count a copy as in flight during compute only when a matmul (`is_matmul`) runs
+        while it is, not any kernel.
+      computation: only the copies scheduled in this computation.
+    """
+    hit = total = 0
+    for c in self.copies:
+      if c.direction != direction or computation not in (None, c.computation):
+        continue
+      times = self.executions(c.computation) if per_execution else 1
+      total += times
+      if matmul:
+        names = set(c.overlapped)
+        hit += times * any(
+          is_matmul(i) for i in self.computations[c.computation] if i.name in names
+        )
+      else:
+        hit += times * c.in_flight_during_compute
+    return hit, total
+
+  def loops(self) -> dict[str, int]:
+    """Loop bodies -> their known trip count (1 when XLA does not know it)."""
+    out = {}
+    for instrs in self.computations.values():
+      for i in instrs:
+        body = re.search(r"\bbody=%?([\w.\-]+)", i.text) if i.opcode == "while" else None
+        if body:
+          n = re.search(r'known_trip_count":\{"n":"(\d+)"', i.text)
+          out[body.group(1)] = int(n.group(1)) if n else 1
+    return out
+
+  def executions(self, computation: str) -> int:
+    """How often a computation runs per execution of the module: the product of the trip counts
+    of the loops it is nested in (1 when no loop holds it)."""
+    loops = self.loops()
+    caller = {
+      c: comp for comp, instrs in self.computations.items() for i in instrs for c in i.calls
+    }
+    times, seen = 1, set()
+    while computation in caller and computation not in seen:
+      seen.add(computation)
+      times *= loops.get(computation, 1)
+      computation = caller[computation]
+    return times
 
   def overlap_fraction(self, direction: str) -> float:
     hit, total = self.overlap(direction)
@@ -354,7 +406,7 @@ def _parse_instruction(line: str) -> Instruction | None:
   operands = tuple(re.findall(r"%([\w.\-]+)", rest[op.end(1) : end]))
   calls = []
   for group in _CALLS_RE.findall(rest[end:]):
-    calls.extend(c.strip().lstrip("%") for c in group.split(",") if c.strip())
+    calls.extend(c.strip(" {}%") for c in group.split(",") if c.strip(" {}"))
   return Instruction(name, opcode, shape, operands, tuple(calls), line)
 
 
@@ -378,6 +430,21 @@ def parse_computations(hlo: str) -> tuple[dict[str, tuple[Instruction, ...]], st
       if instr is not None:
         comps[current].append(instr)
   return {k: tuple(v) for k, v in comps.items()}, entry
+
+
+def is_matmul(instr: Instruction) -> bool:
+  """Whether an instruction is a matrix multiply (a dot, a cuBLAS/cuDNN call or a GEMM fusion).
+
+  Examples:
+    >>> hlo = "%gemm_fusion_dot.1 = bf16[8,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%c"
+    >>> is_matmul(_parse_instruction(hlo))
+    True
+  """
+  if instr.opcode in ("dot", "convolution") or "gemm" in instr.name:
+    return True
+  return instr.opcode in ("custom-call", "fusion") and any(
+    t in instr.text for t in ("__cublas", "__cudnn", "triton_gemm", "gemm_fusion")
+  )
 
 
 def _custom_call_target(instr: Instruction) -> str:

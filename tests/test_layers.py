@@ -1,0 +1,188 @@
+"""offloaded_scan: a layer stack in pinned host memory, streamed through the device.
+
+On the CPU the numerics are compared bit for bit with the plain ``lax.scan`` over
+``jax.checkpoint(body)``; the overlap and the device bytes are read from the program XLA:GPU builds
+for an H100 (compiled without a GPU).
+"""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close
+from jax import lax
+
+import optax_offload as oo
+from benchmarks import llama
+from benchmarks.stream_layers import streamed_loss_fn
+
+MiB = 1 << 20
+MESH = jax.sharding.Mesh(jax.devices("cpu")[:1], ("d",))
+ON_HOST = jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+ON_DEVICE = jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec())
+
+
+def decoder(layers: int, dtype):
+  """A small Llama-style decoder (attention, SwiGLU MLP, RMSNorm), its params and tokens."""
+  cfg = llama.Config(d=64, layers=layers, ffn=128, heads=4, vocab=256)
+  params = jax.device_put(llama.init_params(cfg, jax.random.key(0), dtype), ON_DEVICE)
+  tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab)
+  return cfg, params, tokens
+
+
+def assert_trees_equal(got, want):
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize(
+  "layers, dtype",
+  [(4, jnp.float32), (4, jnp.bfloat16), (5, jnp.float32), (5, jnp.bfloat16), (1, jnp.bfloat16)],
+  ids=["4-fp32", "4-bf16", "5-fp32", "5-bf16", "1-bf16"],
+)  # odd counts run their last layer alone
+def test_loss_and_grads_equal_the_checkpointed_scan(layers, dtype):
+  cfg, params, tokens = decoder(layers, dtype)
+  host_params = dict(params, layers=oo.to_pinned_host(params["layers"]))
+  plain = jax.jit(jax.value_and_grad(lambda p, t: llama.loss_fn(cfg, p, t)))
+  streamed = jax.jit(jax.value_and_grad(lambda p, t: streamed_loss_fn(cfg, p, t)))
+  want_loss, want = plain(params, tokens)
+  loss, grads = streamed(host_params, tokens)
+  np.testing.assert_array_equal(np.asarray(loss), np.asarray(want_loss))
+  assert_trees_equal(grads, want)
+  for leaf in jax.tree.leaves(grads["layers"]):
+    assert leaf.sharding.memory_kind == "pinned_host"
+  assert grads["embed"].sharding.memory_kind == "device"
+
+
+STACK = {"w": jax.random.normal(jax.random.key(0), (3, 16, 16)), "b": jnp.ones((3, 16))}
+X0 = jax.random.normal(jax.random.key(1), (4, 16))
+
+
+def checkpointed_scan(body, x, stack):
+  return lax.scan(jax.checkpoint(body), x, stack)
+
+
+def test_per_layer_outputs_match_the_scan():
+  def loss(scan, stack, x):
+    def body(x, p):
+      y = jnp.tanh(x @ p["w"] + p["b"])
+      return y, {"mean": jnp.mean(y), "row": y[0]}
+
+    x, ys = scan(body, x, stack)
+    return jnp.sum(x**2) + jnp.sum(ys["row"] ** 3) + jnp.sum(ys["mean"])
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2)), static_argnums=0)
+  got = grad(oo.offloaded_scan, oo.to_pinned_host(STACK), X0)
+  want = grad(checkpointed_scan, STACK, X0)
+  np.testing.assert_array_equal(got[0], want[0])
+  # A per-layer output's cotangent (here of a mean) takes part in the layer's backward: XLA:CPU
+  # fuses it otherwise than inside lax.scan's transpose, and the bias gradient (a sum over the
+  # batch) differs by an ulp or two in fp32 (measured; without outputs the bits are equal).
+  assert_close(want[1], got[1], rtol=1e-6)
+  assert got[1][0]["w"].sharding.memory_kind == "pinned_host"
+
+
+def test_closed_over_arrays_are_differentiated():
+  def loss(scan, scale, stack, x):
+    x, _ = scan(lambda x, p: (jnp.tanh((x * scale) @ p["w"] + p["b"]), None), x, stack)
+    return jnp.sum(x**2)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3)), static_argnums=0)
+  got = grad(oo.offloaded_scan, 1.5, oo.to_pinned_host(STACK), X0)
+  want = grad(checkpointed_scan, 1.5, STACK, X0)
+  np.testing.assert_array_equal(got[0], want[0])
+  # With a closed-over array XLA:CPU fuses the backward differently from lax.scan's (whose
+  # transpose sums the array's gradient in its loop): fp32 gradients differ by an ulp or so.
+  assert_close(want[1], got[1], rtol=1e-6)
+
+
+def test_eager_calls_match_the_scan():
+  body = lambda x, p: (jnp.tanh(x @ p["w"] + p["b"]), jnp.sum(x))  # noqa: E731
+  assert_trees_equal(
+    oo.offloaded_scan(body, X0, oo.to_pinned_host(STACK)), checkpointed_scan(body, X0, STACK)
+  )
+
+
+def test_to_pinned_host_keeps_the_sharding_and_moves_the_memory():
+  stack = {"w": jax.device_put(jnp.ones((4, 8)), ON_DEVICE)}
+  moved = oo.to_pinned_host(stack)
+  assert moved["w"].sharding == ON_HOST
+  np.testing.assert_array_equal(moved["w"], stack["w"])
+
+
+def body(x, p):
+  return x @ p["w"], None
+
+
+def test_a_stack_on_the_device_is_refused_with_the_fix():
+  stack = {"w": jax.device_put(jnp.ones((2, 4, 4)), ON_DEVICE)}
+  with pytest.raises(ValueError, match=r"\['w'\] is in device memory.*memory_kind='pinned_host'"):
+    oo.offloaded_scan(body, jnp.ones((1, 4)), stack)
+  with pytest.raises(ValueError, match=r"\['w'\] is in device memory"):  # inside jit too
+    jax.jit(lambda s: oo.offloaded_scan(body, jnp.ones((1, 4)), s))(stack)
+
+
+def test_leaves_that_disagree_on_the_layer_axis_are_named():
+  stack = oo.to_pinned_host({"w": jnp.ones((3, 4, 4)), "v": jnp.ones((2, 4))})
+  with pytest.raises(ValueError, match=r"same leading \(layer\) axis; got \['v'\]: 2, \['w'\]: 3"):
+    oo.offloaded_scan(body, jnp.ones((1, 4)), stack)
+  with pytest.raises(ValueError, match=r"\['s'\]: a scalar"):
+    oo.offloaded_scan(body, jnp.ones((1, 4)), dict(stack, v=jnp.ones((3, 4)), s=jnp.float32(1)))
+
+
+def test_an_empty_stack_is_refused():
+  with pytest.raises(ValueError, match="no leaves"):
+    oo.offloaded_scan(body, jnp.ones((1, 4)), {})
+  with pytest.raises(ValueError, match="no layers"):
+    oo.offloaded_scan(body, jnp.ones((1, 4)), oo.to_pinned_host({"w": jnp.ones((0, 4, 4))}))
+
+
+def test_a_body_that_changes_the_carry_is_refused():
+  stack = oo.to_pinned_host({"w": jnp.ones((2, 4, 8))})
+  with pytest.raises(TypeError, match=r"must return \(carry, y\)"):
+    oo.offloaded_scan(body, jnp.ones((1, 4)), stack)
+
+
+@pytest.mark.skipif(
+  importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+  reason="needs the CUDA PJRT plugin (pip install .[test])",
+)
+def test_the_gpu_program_streams_one_layer_ahead():
+  # 24 layers of 8 MiB (bf16 MLP blocks), stack 192 MiB; value_and_grad compiled for the 24 GiB
+  # H100 target with the options the overlap needs.
+  layers, d, f = 24, 1024, 2048
+  stack = {
+    "w_in": jax.ShapeDtypeStruct((layers, d, f), jnp.bfloat16, sharding=ON_HOST),
+    "w_out": jax.ShapeDtypeStruct((layers, f, d), jnp.bfloat16, sharding=ON_HOST),
+  }
+  x = jax.ShapeDtypeStruct((512, d), jnp.bfloat16, sharding=ON_DEVICE)
+
+  def loss(stack, x):
+    mlp = lambda h, p: (h + jax.nn.gelu(h @ p["w_in"]) @ p["w_out"], None)  # noqa: E731
+    return jnp.sum(oo.offloaded_scan(mlp, x, stack)[0].astype(jnp.float32) ** 2)
+
+  program = oo.compile_for_gpu(
+    jax.value_and_grad(loss), stack, x, target="h100_24gb", xla_flags=oo.STREAM_XLA_OPTIONS
+  )
+  layer_bytes, stack_bytes = 8 * MiB, 192 * MiB
+  schedule = program.schedule
+  assert program.memory.host_argument == program.memory.host_output == stack_bytes
+  # Carries of every layer (as jax.checkpoint keeps them: 24 MiB) plus a few layers' weights and
+  # gradients, not the stack (plain lax.scan: the stack and its gradient, 384 MiB).
+  assert program.memory.device <= 24 * MiB + 8 * layer_bytes, program.memory
+  loops = schedule.loops()
+  assert sorted(loops.values()) == [layers // 2, layers // 2]  # forward, backward
+  for loop in loops:  # each layer's copy-in runs while a matmul of the layer before computes
+    hit, total = schedule.overlap("to_device", matmul=True, computation=loop)
+    assert total == 4 and hit == total, (loop, hit, total)
+  for direction in ("to_device", "to_host"):
+    hit, total = schedule.overlap(direction, per_execution=True, matmul=True)
+    assert hit >= 0.8 * total, (direction, hit, total)
+    moved = sum(
+      c.nbytes * schedule.executions(c.computation)
+      for c in schedule.copies
+      if c.direction == direction
+    )
+    assert moved >= (2 if direction == "to_device" else 1) * stack_bytes, (direction, moved)
