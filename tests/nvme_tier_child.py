@@ -1,7 +1,8 @@
 """Child process for the NVMe-tier crash test: trains with an NVMe tier until killed.
 
-Usage: python nvme_tier_child.py NVME_DIR STEPS
-Prints "ready" once compilation is done (after two steps).
+Usage: python nvme_tier_child.py NVME_DIR STEPS [--no-close]
+Prints "ready" once compilation is done (after two steps). With ``--no-close`` it exits after the last
+step without `oo.sync_nvme` or `oo.close_nvme` (the store's exit hook has to flush the queued commit).
 """
 
 import sys
@@ -22,6 +23,7 @@ def make_tx(nvme_dir):
 
 def main():
   nvme_dir, steps = sys.argv[1], int(sys.argv[2])
+  close = "--no-close" not in sys.argv[3:]
   tx = make_tx(nvme_dir)
   params = make_params()
   state = tx.init(params)
@@ -36,7 +38,8 @@ def main():
     jax.block_until_ready(state)
     if t == 1:
       print("ready", flush=True)  # compiled (the second call compiles again for committed inputs)
-  oo.close_nvme(state)
+  if close:
+    oo.close_nvme(state)
 
 
 if __name__ == "__main__":

@@ -398,6 +398,24 @@ def test_sigkill_at_random_moments_leaves_a_committed_generation(tmp_path):
   assert len(set(seen)) > 1, seen  # the kills landed at different steps
 
 
+def test_exit_without_sync_commits_the_last_update(tmp_path):
+  # The child's last commit is still queued when it returns from main: the store's exit hook flushes it.
+  steps = 6
+  refs = _reference_states(steps)
+  env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  child = [sys.executable, os.path.join(HERE, "nvme_tier_child.py"), str(tmp_path), str(steps)]
+  proc = subprocess.run(
+    [*child, "--no-close"], capture_output=True, text=True, env=env, timeout=300
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  store_dir = tmp_path / "process_0"
+  with nvme.NvmeStore(store_dir, nvme.stored_groups(store_dir), create=False) as store:
+    assert store.committed_generation == steps
+    data = store.read_generation()
+  mu, nu = (_joined_slices(data, f"leaf00000_part{j}_shard0000") for j in (0, 1))
+  assert np.array_equal(mu, refs[steps][0]) and np.array_equal(nu, refs[steps][1])
+
+
 def _step_fn(tx):
   return jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
 

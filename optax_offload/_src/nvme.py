@@ -21,8 +21,8 @@ ignored and deleted the next time the store is opened.
 
 from __future__ import annotations
 
+import atexit
 import collections
-import concurrent.futures
 import dataclasses
 import errno
 import fcntl
@@ -37,6 +37,8 @@ import shutil
 import sys
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -114,6 +116,27 @@ _STAT_KEYS = (
   "buffer_bytes",
   "peak_buffer_bytes",
 )
+
+
+# The stores not closed yet, for the exit hook below (weak: an open store is kept alive by its own
+# threads, and a closed one leaves the set).
+_OPEN_STORES: weakref.WeakSet[NvmeStore] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_stores() -> None:
+  """At interpreter exit, flushes and closes every open store, so that queued puts and commits land.
+
+  Without this the store's daemon threads die with the interpreter and the updates whose commits were
+  still queued are lost (the store reopens at an older generation). atexit handlers run before daemon
+  threads are stopped, so `close` can still wait for them. A failure is logged, not raised: the last
+  committed generation stays intact whatever happens here.
+  """
+  for store in list(_OPEN_STORES):
+    try:
+      store.close()
+    except Exception as e:  # Nobody is left to handle it.
+      logger.error("NVMe store %s: flushing at exit failed: %s", store.directory, e)
 
 
 class NvmeError(RuntimeError):
@@ -276,11 +299,41 @@ def _fsync_tree(root: pathlib.Path) -> None:
   for dirpath, _, filenames in os.walk(root, onerror=_raise):
     files.extend(os.path.join(dirpath, f) for f in filenames)
     dirs.append(dirpath)
-  with concurrent.futures.ThreadPoolExecutor(
-    _FSYNC_THREADS, thread_name_prefix="nvme-fsync"
-  ) as pool:
-    list(pool.map(_fsync_path, files))
-    list(pool.map(functools.partial(_fsync_path, directory=True), dirs))
+  _on_threads(_fsync_path, files)
+  _on_threads(functools.partial(_fsync_path, directory=True), dirs)
+
+
+def _on_threads(function: Callable[[Any], None], items: Sequence[Any]) -> None:
+  """Calls `function` on every item from up to `_FSYNC_THREADS` threads; re-raises the first error.
+
+  Plain threads, not a `concurrent.futures` pool: those refuse work once the interpreter starts
+  shutting down, and the exit hook (`_close_open_stores`) still commits through here.
+  """
+  todo, errors, lock = list(items), [], threading.Lock()
+
+  def work() -> None:
+    while True:
+      with lock:
+        if not todo or errors:
+          return
+        item = todo.pop()
+      try:
+        function(item)
+      except BaseException as e:
+        with lock:
+          errors.append(e)
+
+  threads = [
+    threading.Thread(target=work, name="nvme-fsync", daemon=True)
+    for _ in range(min(_FSYNC_THREADS, len(todo)) - 1)
+  ]
+  for thread in threads:
+    thread.start()
+  work()
+  for thread in threads:
+    thread.join()
+  if errors:
+    raise errors[0]
 
 
 def _raise(error: OSError) -> None:
@@ -469,8 +522,9 @@ class NvmeStore:
   and, if ``prefetch_depth > 0``, a prefetcher; all daemons, waiting on one condition variable.
 
   One process per directory: the store holds an exclusive ``flock`` on ``directory/LOCK`` until `close`.
-  Call `close` (or use the store as a context manager): queued work that is not committed when the process
-  exits is lost, and the store reopens at the last committed generation.
+  Call `close` (or use the store as a context manager). A store still open at interpreter exit is closed
+  then, so queued puts and commits land; a process that is killed loses them, and the store reopens at
+  the last committed generation.
 
   Examples:
     >>> import tempfile
@@ -597,6 +651,7 @@ class NvmeStore:
         target=self._prefetch_loop, name="nvme-prefetch", daemon=True
       )
       self._prefetcher.start()
+    _OPEN_STORES.add(self)
     logger.info(
       "NVMe store %s opened: %d leaves in %d groups, %d bytes per generation, committed generation %d.",
       self._dir,
@@ -1090,6 +1145,7 @@ class NvmeStore:
     if self._prefetcher is not None:
       self._prefetcher.join()
     self._release_lock()
+    _OPEN_STORES.discard(self)
     logger.info("NVMe store %s closed at committed generation %d.", self._dir, self._committed)
     if error is not None:
       raise error
