@@ -190,3 +190,36 @@ def test_host_update_moves_only_gradients_params_and_updates():
   assert sum(c.nbytes for c in schedule.copies if c.direction == "to_device") == 4 * n
   assert schedule.host_compute
   assert program.memory.host_argument >= 12 * n * 0.99  # master, mu, nu stay in host memory
+
+
+def test_params_and_grads_in_host_memory_stream_with_the_state():
+  # Weights offloaded too: bf16 params and grads in pinned_host, fp32 master + AdamW state. Every
+  # group's (param, grad, state) slices come in, its new params and state go back, in the window.
+  mesh = jax.sharding.Mesh(jax.devices("cpu")[:1], ("d",))
+  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+  params = {"layers": jax.ShapeDtypeStruct((16, 1024, 2048), jnp.bfloat16, sharding=host)}
+  tx = oo.offload(optax.adamw(1e-3), window_bytes=64 * MiB, master_dtype=jnp.float32)
+  state = oo.abstract_state(tx, params)
+
+  def step(params, state, grads):
+    return oo.update_and_apply(tx, grads, state, params)
+
+  program = gpu_program.compile_for_gpu(
+    step,
+    params,
+    state,
+    params,
+    donate_argnums=(0, 1),
+    xla_flags=oo.STREAM_XLA_OPTIONS,
+  )
+  n = 16 * 1024 * 2048
+  memory, schedule = program.memory, program.schedule
+  assert memory.temp <= 1.10 * 64 * MiB + MiB, memory
+  assert memory.host_temp == 0
+  assert memory.host_alias == memory.host_output == 14 * n  # new params and state, donated
+  moved = {
+    d: sum(c.nbytes for c in schedule.copies if c.direction == d) for d in ("to_device", "to_host")
+  }
+  assert moved == {"to_device": 16 * n, "to_host": 14 * n}  # grads come in; params, state both ways
+  for direction in ("to_device", "to_host"):
+    assert schedule.overlap_fraction(direction) >= 0.8, (direction, schedule.overlap(direction))

@@ -470,3 +470,61 @@ def test_nvme_dir_without_host_limit_warns(params, tmp_path):
   with pytest.warns(UserWarning, match="host_limit is None.*nothing goes to NVMe"):
     tx = oo.offload(optax.adam(1e-2), nvme_dir=str(tmp_path))
   assert oo.footprint(tx.init(params))["nvme"] == 0
+
+
+def _in_host_memory(tree, host_leaves):
+  """`tree` with the leaves named in `host_leaves` put in pinned_host memory (one CPU device)."""
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+
+  def put(path, x):
+    kind = "pinned_host" if jax.tree_util.keystr(path) in host_leaves else "device"
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=kind)
+    return jax.device_put(np.asarray(x), sharding)
+
+  return jax.tree_util.tree_map_with_path(put, tree)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16_master"])
+@pytest.mark.parametrize(
+  "name,make",
+  [("adamw", lambda: optax.adamw(1e-2)), ("sgd_momentum", lambda: optax.sgd(1e-2, momentum=0.9))],
+  ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_params_and_grads_in_host_memory_stream_with_the_state(name, make, dtype):
+  # Weights offloaded too: a stacked leaf's params and gradients live in pinned_host and stream
+  # through the window in row slices with its state; the new params go back to host memory.
+  rng = np.random.default_rng(0)
+  param_dtype = jnp.float32 if dtype == "fp32" else jnp.bfloat16
+  master = None if dtype == "fp32" else jnp.float32
+  params = {
+    "layers": jnp.asarray(rng.normal(size=(8, 64, 128)) * 0.1, param_dtype),
+    "head": jnp.asarray(rng.normal(size=(64, 32)) * 0.1, param_dtype),
+  }
+  host = {"['layers']"}
+
+  def run(host_leaves):
+    tx = oo.offload(make(), window_bytes=3 * 64 * 128 * 16, min_size=256, master_dtype=master)
+    p = _in_host_memory(params, host_leaves)
+    state = tx.init(p)
+    step = jax.jit(lambda p, s, g: oo.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
+    for t in range(20):
+      p, state = step(p, state, _in_host_memory(make_grads(params, t), host_leaves))
+    return p, oo.to_inner(state, memory_kind="device")
+
+  ref_params, ref_state = run(set())
+  got_params, got_state = run(host)
+  assert got_params["layers"].sharding.memory_kind == "pinned_host"
+  assert got_params["head"].sharding.memory_kind == "device"
+  assert bits_equal(ref_params, got_params)
+  assert bits_equal(ref_state, got_state)
+
+
+def test_params_in_host_memory_need_update_and_apply():
+  params = _in_host_memory({"w": jnp.ones((64, 128))}, {"['w']"})
+  tx = oo.offload(optax.sgd(1e-2, momentum=0.9), min_size=256)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="update_and_apply"):
+    jax.jit(tx.update)(params, state, params)
+  host_tx = oo.offload(optax.sgd(1e-2, momentum=0.9), min_size=256, update_on="host")
+  with pytest.raises(NotImplementedError, match="update_on='device'"):
+    jax.jit(lambda p, s: oo.update_and_apply(host_tx, p, s, p))(params, host_tx.init(params))

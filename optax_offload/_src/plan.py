@@ -77,6 +77,8 @@ class LeafInfo:
       update of a row slice equals that slice of the whole update and the axis is not sharded),
       else 0. A leaf whose state exceeds a group's share of the window is then streamed in row
       slices, whichever tier holds it (the NVMe tier stores the slices apart).
+    moving_bytes: bytes of the param and its gradient per device when they live in host memory
+      (weights offloaded too): they stream through the window with the state.
   """
 
   path: str
@@ -84,6 +86,7 @@ class LeafInfo:
   state_bytes: int
   process_bytes: int | None = None
   rows: int = 0
+  moving_bytes: int = 0
 
   @property
   def held_bytes(self) -> int:
@@ -133,13 +136,13 @@ class Plan:
     return tuple(tuple(dict.fromkeys(p.leaf for p in unit)) for unit in self.units)
 
   def piece_bytes(self, piece: Piece, leaves: Sequence[LeafInfo]) -> int:
-    """Offloaded state bytes of a piece (device-tier leaves count zero)."""
-    if self.tiers[piece.leaf] is Tier.DEVICE:
-      return 0
+    """Bytes a piece streams through the window: its offloaded state (none for device-tier
+    leaves) and its params and gradients when they live in host memory."""
     leaf = leaves[piece.leaf]
+    nbytes = leaf.moving_bytes + (0 if self.tiers[piece.leaf] is Tier.DEVICE else leaf.state_bytes)
     if piece.whole:
-      return leaf.state_bytes
-    return -(-leaf.state_bytes * (piece.stop - piece.start) // leaf.rows)
+      return nbytes
+    return -(-nbytes * (piece.stop - piece.start) // leaf.rows)
 
   def group_bytes(self, leaves: Sequence[LeafInfo]) -> list[int]:
     """Offloaded state bytes of each group."""
@@ -236,7 +239,7 @@ def _pieces(leaves: Sequence[LeafInfo], tiers: Sequence[Tier], budget: int) -> l
   """Each leaf whole, or in near-equal row slices of at most `budget` bytes when it can be split."""
   pieces = []
   for i, (leaf, tier) in enumerate(zip(leaves, tiers)):
-    nbytes = 0 if tier is Tier.DEVICE else leaf.state_bytes
+    nbytes = leaf.moving_bytes + (0 if tier is Tier.DEVICE else leaf.state_bytes)
     if nbytes <= budget or leaf.rows < 2:
       pieces.append(Piece(i))
       continue

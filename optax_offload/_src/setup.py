@@ -73,6 +73,13 @@ def _state_bytes(part: Any, shape: tuple[int, ...], sharding: Any) -> int:
   return total
 
 
+def _moving_bytes(aval: Any, sharding: Any) -> int:
+  """Bytes a param and its gradient add to the window when they live in host memory."""
+  if getattr(sharding, "memory_kind", None) != "pinned_host":
+    return 0
+  return 2 * _state_bytes(aval, aval.shape, sharding)
+
+
 def _local_device_count(sharding: Any) -> int:
   """How many of this process's devices hold a shard (or a copy) of an array with `sharding`."""
   if sharding is None:
@@ -182,6 +189,7 @@ def make_setup(
       _state_bytes(part, a.shape, s),
       _state_bytes(part, a.shape, s) * _local_device_count(s),
       rows=n,
+      moving_bytes=_moving_bytes(a, s),
     )
     for p, a, part, s, n in zip(paths, avals, per_leaf, shardings, rows)
   )

@@ -46,7 +46,11 @@ HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
 
 Key = tuple[int, int]
-"""(leaf index, index of the array in the leaf's flattened state part)."""
+"""(leaf index, index of the array in the leaf's flattened state part, or `PARAM` / `GRAD`)."""
+
+PARAM, GRAD = -1, -2
+"""Array indices of a leaf's param and gradient when they live in host memory and stream through
+the window with its state (weights offloaded too)."""
 
 
 Box = tuple[tuple[int, int], ...]
@@ -132,6 +136,10 @@ def _inner_update(inner):
   return call
 
 
+def _in_host(x: Any) -> bool:
+  return getattr(jax.typeof(x), "memory_space", None) == HOST
+
+
 def _to(x: Any, space) -> Any:
   return jax.tree.map(lambda a: jax.device_put(a, space), x)
 
@@ -160,6 +168,27 @@ class _Run:
     self.new_shared = None
     # Per leaf: the updates (or, with `apply`, the new params) written so far.
     self.updates: dict[int, Any] = {}
+    # Params and grads that live in host memory (weights offloaded too): see `stream_host_params`.
+    self.moving: dict[int, list[int]] = {}
+
+  def stream_host_params(self) -> None:
+    """Params and grads that live in host memory stream through the window with the state, as
+    arrays ``(leaf, PARAM)`` and ``(leaf, GRAD)``; the new params go back to host memory."""
+    for i, g in enumerate(self.grads):
+      extra = []
+      if self.params is not None and _in_host(self.params[i]):
+        if not self.apply:
+          raise ValueError(
+            "offload: params in host memory need oo.update_and_apply (the updates are applied "
+            "group by group; tx.update would bring every update to the device)."
+          )
+        self.arrays[(i, PARAM)] = self.params[i]
+        extra.append(PARAM)
+      if g is not None and _in_host(g):
+        self.arrays[(i, GRAD)] = g
+        extra.append(GRAD)
+      if extra:
+        self.moving[i] = extra
 
   def piece_rows(self, piece: Piece) -> tuple[int, int]:
     return (0, self.n_rows[piece.leaf]) if piece.whole else (piece.start, piece.stop)
@@ -170,12 +199,12 @@ class _Run:
     for n, piece in enumerate(self.spec.units[k]):
       i = piece.leaf
       start, stop = self.piece_rows(piece)
-      for j in self.spec.offloaded(i):
-        if self.spec.array_tiers[i][j] is Tier.NVME:
+      for j in self.spec.offloaded(i) + self.moving.get(i, []):
+        if j not in (PARAM, GRAD) and self.spec.array_tiers[i][j] is Tier.NVME:
           x = fetched[(i, j)]
         else:
           x = self.arrays[(i, j)]
-          if not piece.whole and self.spec.dims[i][j]:
+          if not piece.whole and (j in (PARAM, GRAD) or self.spec.dims[i][j]):
             x = _slice(x, start, stop)
         bufs[(n, j)] = x if space is None else _to(x, space)
     return bufs
@@ -188,8 +217,13 @@ class _Run:
     nvme_parts: dict[int, list[Any]] = {}
     for n, piece in enumerate(self.spec.units[k]):
       i = piece.leaf
-      for j in self.spec.offloaded(i):
+      for j in self.spec.offloaded(i) + ([PARAM] if PARAM in self.moving.get(i, []) else []):
         x = bufs[(n, j)]
+        if j == PARAM:
+          x = x if space is None else _to(x, space)
+          x = x if piece.whole else _put_rows(self.arrays[(i, j)], x, piece.start)
+          self.arrays[(i, j)] = self.updates[i] = x
+          continue
         if self.spec.array_tiers[i][j] is Tier.NVME:
           nvme_parts.setdefault(i, [None] * len(self.spec.array_tiers[i]))[j] = x
           continue
@@ -262,8 +296,14 @@ class _Run:
       full = all(a == 0 and b == d for (a, b), d in zip(box, jnp.shape(self.grads[i])))
       boxes[n] = (box, full)
       ndim = jnp.ndim(self.grads[i])
-      grads[i] = _take(self.grad_source(i), box, ndim)
-      if self.params is not None:
+      local = _local(box, start)
+      if (n, GRAD) in bufs:
+        grads[i] = _take(bufs[(n, GRAD)], local, ndim)
+      else:
+        grads[i] = _take(self.grad_source(i), box, ndim)
+      if (n, PARAM) in bufs:
+        params[i] = _take(bufs[(n, PARAM)], local, ndim)
+      elif self.params is not None:
         params[i] = _take(self.param_source(i), box, ndim)
       views = []
       for j, tier in enumerate(self.spec.array_tiers[i]):
@@ -302,7 +342,11 @@ class _Run:
           bufs[(n, j)] = _write(bufs[(n, j)], new, _local(box, start), depth)
         elif q == 0:
           bufs[(n, j)] = new
-      self.put_update(i, updates[i], box, full)
+      if (n, PARAM) in bufs:  # params in host memory: the chunk's new params, in the group's buffer
+        new_p = jnp.asarray(params[i] + updates[i]).astype(jnp.result_type(params[i]))
+        bufs[(n, PARAM)] = _write(bufs[(n, PARAM)], new_p, _local(box, start), len(box))
+      else:
+        self.put_update(i, updates[i], box, full)
 
 
 def run(
@@ -356,6 +400,13 @@ def run(
   r = _Run(
     inner, layout, spec, list(grads), params, shared, arrays, treedefs, n_rows, extra_args, apply
   )
+  if placement != "host":
+    r.stream_host_params()
+  elif apply and any(p is not None and _in_host(p) for p in params):
+    raise NotImplementedError(
+      "offload: update_on='host' with params in host memory is not supported yet; use "
+      "update_on='device', which streams them through the window with the state."
+    )
   token = nvme.begin_traced(generation, store=store) if nvme is not None else generation
   if placement == "host":
     token = _run_on_host(r, nvme, token)
@@ -386,8 +437,8 @@ def _run_streamed(r: _Run, nvme, token, on_device: bool):
     return {
       (p.leaf, j)
       for p in units[k]
-      for j in r.spec.offloaded(p.leaf)
-      if r.spec.array_tiers[p.leaf][j] is Tier.HOST
+      for j in r.spec.offloaded(p.leaf) + r.moving.get(p.leaf, [])
+      if j in (PARAM, GRAD) or r.spec.array_tiers[p.leaf][j] is Tier.HOST
     }
 
   def fetch(k, token):
@@ -420,7 +471,7 @@ def _run_streamed(r: _Run, nvme, token, on_device: bool):
         done = {
           p.leaf: r.updates[p.leaf]
           for p, (_, c) in zip(units[previous[0]], r.chunks(previous[0]))
-          if not (p.whole and c == 1)
+          if not (p.whole and c == 1) and p.leaf in r.updates
         }
       bufs, prev_bufs, sources, done, token = lax.optimization_barrier(
         (bufs, prev_bufs, sources, done, token)
