@@ -24,6 +24,7 @@ from optax_offload._src.measure import Bandwidths
 from optax_offload._src.measure import measure_bandwidths
 from optax_offload._src.nvme import NvmeCorruptionError
 from optax_offload._src.nvme import NvmeError
+from optax_offload._src.nvme import NvmeOptions
 from optax_offload._src.nvme import NvmeWriteError
 from optax_offload._src.plan import LeafInfo
 from optax_offload._src.plan import Piece
@@ -53,6 +54,7 @@ __all__ = (
   "LeafInfo",
   "NvmeCorruptionError",
   "NvmeError",
+  "NvmeOptions",
   "NvmeWriteError",
   "OffloadCheckpointHandler",
   "OffloadRestore",

@@ -60,6 +60,35 @@ def test_nvme_equals_host_tier_bit_for_bit(name, make, host_limit, tmp_path):
     oo.close_nvme(nvme_state)
 
 
+@pytest.mark.parametrize(
+  "options",
+  [oo.NvmeOptions(prefetch_depth=2, write_depth=2), {"prefetch_depth": 2, "write_depth": 2}],
+)
+def test_nvme_options_reach_the_store(options, tmp_path):
+  tx = oo.offload(
+    optax.adam(1e-2),
+    window_bytes=WINDOW,
+    host_limit=HOST_LIMIT,
+    nvme_dir=str(tmp_path),
+    nvme_options=options,
+  )
+  state = tx.init(make_params())
+  try:
+    store = nvme_tier.lookup(state.nvme_store).store
+    assert store.host_buffer_bound == 5 * max(store._group_bytes)  # (2 + 2 + 1) groups
+  finally:
+    oo.close_nvme(state)
+
+
+def test_nvme_options_refuse_unknown_keys_and_bad_values():
+  with pytest.raises(TypeError, match=r"unknown options \['prefetch'\].*'prefetch_depth'"):
+    oo.offload(optax.adam(1e-2), nvme_options={"prefetch": 2})
+  with pytest.raises(ValueError, match="write_depth must be >= 1"):
+    oo.NvmeOptions(write_depth=0)
+  with pytest.raises(TypeError, match="nvme_options must be oo.NvmeOptions"):
+    oo.offload(optax.adam(1e-2), nvme_options=[("prefetch_depth", 2)])
+
+
 def test_mixed_placement_device_host_nvme(tmp_path):
   params = make_params()
   tx = oo.offload(

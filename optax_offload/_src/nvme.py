@@ -180,6 +180,66 @@ class LeafSpec:
     return math.prod(self.shape) * self.dtype.itemsize
 
 
+@dataclasses.dataclass(frozen=True)
+class NvmeOptions:
+  """Options of the NVMe store that `offload` opens (its ``nvme_options``).
+
+  Host RAM held by the store: at most ``(prefetch_depth + write_depth + 1)`` x the largest group's
+  NVMe bytes (`NvmeStore.host_buffer_bound`).
+
+  Attributes:
+    prefetch_depth: how many groups are read ahead of the update (0 disables prefetching).
+    write_depth: how many groups may wait to be written behind the update (at least 1).
+    chunk_bytes: target bytes per chunk file, split along the leading axis.
+
+  Examples:
+    >>> NvmeOptions(prefetch_depth=2)
+    NvmeOptions(prefetch_depth=2, write_depth=1, chunk_bytes=16777216)
+    >>> NvmeOptions.of({"write_depth": 2}).write_depth
+    2
+  """
+
+  prefetch_depth: int = 1
+  write_depth: int = 1
+  chunk_bytes: int = 16 << 20
+
+  def __post_init__(self):
+    minimum = {"prefetch_depth": 0, "write_depth": 1, "chunk_bytes": 1}
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"NvmeOptions.{field.name} must be an int, got {value!r}.")
+      if value < minimum[field.name]:
+        raise ValueError(f"NvmeOptions.{field.name} must be >= {minimum[field.name]}, got {value}.")
+      object.__setattr__(self, field.name, int(value))
+
+  @classmethod
+  def of(cls, options: NvmeOptions | Mapping[str, Any] | None) -> NvmeOptions:
+    """`options` as `NvmeOptions`: None gives the defaults; a dict (the older form) is converted.
+
+    Raises:
+      TypeError: a dict with keys that are not options (the message names the valid ones), or
+        another type.
+    """
+    if options is None:
+      return cls()
+    if isinstance(options, cls):
+      return options
+    if isinstance(options, Mapping):
+      valid = [field.name for field in dataclasses.fields(cls)]
+      unknown = sorted(str(k) for k in options if k not in valid)
+      if unknown:
+        raise TypeError(
+          f"nvme_options: unknown options {unknown}; the valid ones are {valid} "
+          "(pass oo.NvmeOptions(...))."
+        )
+      return cls(**options)
+    raise TypeError(
+      f"nvme_options must be oo.NvmeOptions(...) (or a dict of its fields), got "
+      f"{type(options).__name__}."
+    )
+
+
 def _storage_dtype(dtype: np.dtype) -> tuple[str, np.dtype]:
   """Returns the zarr3 ``data_type`` and the numpy dtype the bytes are written as."""
   if dtype.name in _ZARR3_NATIVE and dtype.isnative:

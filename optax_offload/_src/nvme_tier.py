@@ -46,6 +46,8 @@ from jax.sharding import PartitionSpec as P
 from optax_offload._src import nvme
 from optax_offload._src import plan as plan_lib
 
+NvmeOptions = nvme.NvmeOptions
+
 logger = logging.getLogger(__name__)
 
 # Open tiers by id. A tier stays here (and its store open) until `close`, even when the `offload`
@@ -302,7 +304,7 @@ class NvmeTier:
     parts: abstract state parts per leaf (`jax.ShapeDtypeStruct` trees).
     param_shapes: per leaf, the param's shape.
     shardings: per leaf, the param's sharding (None: the first local device).
-    **store_kwargs: passed to `NvmeStore` (prefetch_depth, write_depth, chunk_bytes).
+    options: the store's options (`nvme.NvmeOptions`); None: the defaults.
 
   Raises:
     NotImplementedError: params whose state goes to NVMe are on different meshes.
@@ -321,7 +323,7 @@ class NvmeTier:
     parts: Sequence[Any],
     param_shapes: Sequence[tuple[int, ...]],
     shardings: Sequence[Any],
-    **store_kwargs,
+    options: nvme.NvmeOptions | None = None,
   ):
     units = [tuple(unit) for unit in units]
     slices: dict[int, list[tuple[int, int]]] = {}  # sliced leaf -> its row slices
@@ -390,7 +392,9 @@ class NvmeTier:
       for members in self._members
     ]
     self._names = [[spec.name for spec in group] for group in specs]
-    self.store = nvme.NvmeStore(directory, specs, **store_kwargs)
+    self.store = nvme.NvmeStore(
+      directory, specs, **dataclasses.asdict(nvme.NvmeOptions.of(options))
+    )
     self._rendezvous = _Rendezvous(self.store, len(self._local_devices))
     # Generations this tier makes are newer than any on disk when it opened the store; a state
     # naming an older one was made by another store (closed, or in another process).

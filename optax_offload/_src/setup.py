@@ -167,7 +167,7 @@ def make_setup(
   window_bytes: int | None,
   host_limit: int | None,
   nvme_dir: Any = None,
-  nvme_options: dict[str, Any] | None = None,
+  nvme_options: nvme_tier.NvmeOptions | None = None,
   check_separable: bool = True,
 ) -> Setup:
   """Plans one parameter tree: tiers, groups, row slices and chunks; opens the NVMe store if used."""
@@ -217,7 +217,7 @@ def make_setup(
       per_leaf,
       [tuple(a.shape) for a in avals],
       shardings,
-      **(nvme_options or {}),
+      nvme_options,
     )
     tier.layout = layout
   logger.info("offload plan:\n%s", plan_lib.describe_plan(the_plan, leaves))

@@ -47,7 +47,7 @@ def offload(
   min_size: int = 4096,
   window_bytes: int | str | None = None,
   check_separable: bool = True,
-  nvme_options: dict[str, Any] | None = None,
+  nvme_options: nvme_tier.NvmeOptions | dict[str, Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps the state of a separable optax transformation in pinned host memory.
 
@@ -84,9 +84,9 @@ def offload(
       it, else 1 GiB.
     check_separable: at ``init``, check on a miniature of the parameter tree that ``inner`` does not
       mix leaves, and refuse it otherwise.
-    nvme_options: keyword arguments for the NVMe store: ``prefetch_depth`` (groups read ahead,
-      default 1), ``write_depth`` (groups written behind, default 1), ``chunk_bytes`` (default
-      16 MiB). Host RAM held by the store: at most (prefetch_depth + write_depth + 1) x the largest
+    nvme_options: `NvmeOptions` of the NVMe store (``prefetch_depth``, groups read ahead, default 1;
+      ``write_depth``, groups written behind, default 1; ``chunk_bytes``, default 16 MiB), or a dict
+      of them. Host RAM held by the store: at most (prefetch_depth + write_depth + 1) x the largest
       group's NVMe bytes (`NvmeStore.host_buffer_bound`). The update's callbacks add transient
       copies of about two more groups (a fetched group is copied into the program's buffers; a put's
       operands are copied to host arrays), and on a CPU backend the device window (`window_bytes`)
@@ -97,6 +97,7 @@ def offload(
 
   Raises:
     ValueError: for a bad argument.
+    TypeError: `nvme_options` is neither `NvmeOptions` nor a dict of its fields.
     NotImplementedError: at init, when params whose state goes to NVMe are not on one mesh.
 
   Examples:
@@ -126,7 +127,7 @@ def offload(
       )
   if nvme_dir is not None and not isinstance(nvme_dir, str | os.PathLike):
     raise TypeError(f"nvme_dir must be a directory path, got {type(nvme_dir).__name__}.")
-  nvme_options = dict(nvme_options or {})
+  nvme_options = nvme_tier.NvmeOptions.of(nvme_options)
   host_limit_bytes = units.parse_bytes(host_limit, "host_limit")
 
   inner = optax.with_extra_args_support(inner)
