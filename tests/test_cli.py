@@ -214,6 +214,8 @@ def test_a_given_bandwidth_wins_over_a_measured_one(capsys):
     (["plan", "7B", "--window-bytes", "0"], "window_bytes must be > 0"),
     (["plan", "7B", "--link-bandwidth", "fast"], "--link-bandwidth"),
     (["plan", "7B", "--update-on", "gpu"], "invalid choice"),
+    (["plan", "7B", "--weights-on", "host"], "--layers"),
+    (["plan", "7B", "--weights-on", "host", "--layers", "32", "--update-on", "host"], "update_on"),
     (["plan"], "required: params"),
     ([], "required: COMMAND"),
   ],
@@ -223,6 +225,45 @@ def test_bad_input_exits_2_with_a_message(argv, message, capsys):
     cli.main(argv)
   assert exc.value.code == 2
   assert message in capsys.readouterr().err
+
+
+def test_weights_on_host_keeps_a_few_layers_on_the_device(capsys):
+  # 13B bf16 in a stack of 40 layers: 650 MB of weights per layer. The device holds 3 layers of
+  # weights and 4 of gradients during the forward and backward passes, plus the window; the host
+  # holds the weights and gradients (52 GB) beside the state; per step the weights cross the link
+  # 4 times, the gradients twice, the state (156 GB) twice.
+  e = oo.estimate("13B", **dict(KNOWN, host_limit=None), weights_on="host", layers=40)
+  layer = 650_000_000
+  assert (e.param_bytes, e.grad_bytes) == (3 * layer, 4 * layer)
+  assert e.window_peak == HAND_WINDOW
+  assert e.device_bytes == 7 * layer + HAND_WINDOW
+  assert e.fits
+  assert e.host_weight_bytes == 52_000_000_000
+  assert e.bytes_per_tier["host"] == 52_000_000_000 + 156_000_000_000
+  assert e.link_bytes == 2 * 156_000_000_000 + 6 * 26_000_000_000
+  cli.main(["plan", "13B", *KNOWN_ARGV[2:-2], "--weights-on", "host", "--layers", "40"])
+  out = capsys.readouterr().out
+  assert "stack weights and grads 48.43 GiB" in out and "fits: yes" in out
+
+
+def test_weights_on_host_from_shapes_follows_the_stack_placement():
+  # The stack's leaves placed in pinned host memory (as offloaded_scan takes them): its weights and
+  # gradients stream through the window with the state; the head stays on the device.
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+  params = {
+    "layers": jax.ShapeDtypeStruct((8, 512, 512), jnp.bfloat16, sharding=host),
+    "head": jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
+  }
+  e = oo.estimate(params, master_dtype="fp32", window_bytes="64MiB")
+  assert e.weights_on == "host"
+  layer, head = 512 * 512 * 2, 512 * 1024 * 2
+  assert (e.param_bytes, e.grad_bytes) == (head + 3 * layer, head + 4 * layer)
+  assert e.host_weight_bytes == 2 * 8 * layer
+  stack = e.leaves[[leaf.path for leaf in e.leaves].index("['layers']")]
+  assert stack.moving_bytes == 2 * 8 * layer
+  with pytest.raises(ValueError, match="pinned_host"):
+    oo.estimate({"head": params["head"]}, weights_on="host")
 
 
 def test_api_errors():

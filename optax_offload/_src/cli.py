@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from optax_offload._src import estimate as estimate_lib
+from optax_offload._src import layers as layers_lib
 from optax_offload._src import measure
 from optax_offload._src import plan as plan_lib
 from optax_offload._src.units import format_bytes
@@ -69,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     help="offloaded master copy of narrower params, e.g. fp32 with --param-dtype bf16",
   )
   opt("--update-on", default="device", choices=("device", "host"), help="default device")
+  opt(
+    "--weights-on",
+    default="device",
+    choices=("device", "host"),
+    help="host: the layer stack's weights and grads in pinned host memory too (offloaded_scan); "
+    "needs --layers",
+  )
+  opt("--layers", type=int, metavar="N", help="layers in the streamed stack (--weights-on host)")
   opt(
     "--device-memory",
     metavar="SIZE",
@@ -137,6 +146,8 @@ def _summary(e: estimate_lib.Estimate) -> list[str]:
     f"{e.state_dtype} state{master}, update on {e.update_on}",
     "",
   ]
+  if e.weights_on == "host":
+    lines.insert(1, "weights and grads of the layer stack in pinned host memory (offloaded_scan)")
   if e.plan is None:
     opt = estimate_lib.OPTIMIZERS.get(e.optimizer)
     state_per = (e.offloaded_bytes - e.master_bytes) / e.params
@@ -154,6 +165,11 @@ def _tiers(e: estimate_lib.Estimate) -> list[str]:
   fmt = format_bytes
   lines = [f"{'tier':<8}{'bytes':>12}  holds"]
   device_parts = [f"params {fmt(e.param_bytes)}", f"grads {fmt(e.grad_bytes)}"]
+  if e.weights_on == "host":
+    device_parts = [
+      f"params {fmt(e.param_bytes)} (incl. {layers_lib.WEIGHT_LAYERS_ON_DEVICE} stack layers)",
+      f"grads {fmt(e.grad_bytes)} (incl. {layers_lib.GRAD_LAYERS_ON_DEVICE} stack layers)",
+    ]
   if e.window_peak:
     if e.update_on == "host":
       device_parts.append(f"updates returned at once, beyond the grads {fmt(e.window_peak)}")
@@ -167,6 +183,11 @@ def _tiers(e: estimate_lib.Estimate) -> list[str]:
     device_parts.append("activations not included")
   limit = "(no --host-limit)" if e.host_limit is None else f"up to --host-limit {fmt(e.host_limit)}"
   host_note = f"offloaded state {limit}"
+  if e.host_weight_bytes:
+    host_note = (
+      f"stack weights and grads {fmt(e.host_weight_bytes)} + offloaded state "
+      f"{fmt(e.host_bytes)} {limit}"
+    )
   if e.nvme_buffer_bytes:
     host_note += f"; plus {fmt(e.nvme_buffer_bytes)} of NVMe staging buffers"
   if e.nvme:
@@ -178,7 +199,7 @@ def _tiers(e: estimate_lib.Estimate) -> list[str]:
     nvme_note = "no NVMe tier (--nvme-dir / --nvme-size)"
   for tier, nbytes, note in (
     ("device", e.device_bytes, " + ".join(device_parts)),
-    ("host", e.host_bytes, host_note),
+    ("host", e.host_bytes + e.host_weight_bytes, host_note),
     ("nvme", e.nvme_bytes, nvme_note),
   ):
     lines.append(f"{tier:<8}{fmt(nbytes):>12}  {note}")
@@ -190,7 +211,7 @@ def _tiers(e: estimate_lib.Estimate) -> list[str]:
       f"leaves: {counts['device']} on device (< min_size), {counts['host']} host, "
       f"{counts['nvme']} nvme; {len(e.plan.groups)} groups"
     )
-  warning = plan_lib.pinned_pool_warning(e.host_bytes)
+  warning = plan_lib.pinned_pool_warning(e.host_bytes + e.host_weight_bytes)
   if warning:
     lines.append(f"on GPU (one device): {warning}")
   return lines
@@ -233,6 +254,8 @@ def _step_time(e: estimate_lib.Estimate) -> list[str]:
   ]
   if e.update_on == "device":
     link_what = "each offloaded byte to the device and back"
+    if e.weights_on == "host":
+      link_what += "; stack weights 4x (forward, backward, update in and out), grads 2x"
   else:
     link_what = "grads to the host, updates back"
   lines.append(
@@ -271,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       param_dtype=args.param_dtype,
       master_dtype=args.master_dtype,
       update_on=args.update_on,
+      weights_on=args.weights_on,
+      layers=args.layers,
       device_memory=args.device_memory,
       host_limit=args.host_limit,
       nvme_dir=args.nvme_dir,

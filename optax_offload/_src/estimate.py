@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_offload._src import layers as layers_lib
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
@@ -110,13 +111,17 @@ class Estimate:
     state_dtype: dtype of the optimizer's state (the master dtype when there is a master copy).
     master_dtype: dtype of the offloaded master copy of the parameters, or None.
     update_on: ``"device"`` or ``"host"``.
+    weights_on: ``"device"``, or ``"host"`` when the layer stack's weights and gradients live in
+      pinned host memory too (`offloaded_scan`, and `update_and_apply` streaming them).
     device_memory: device memory given, or None (not checked).
     host_limit: pinned-host budget given, or None (no limit).
     nvme: whether an NVMe tier is available.
     nvme_capacity: disk bytes available to the NVMe tier, or None (not checked).
     window_bytes: the window `offload` would use.
-    param_bytes: bytes of the parameters, on the device.
-    grad_bytes: bytes of the gradients, on the device.
+    param_bytes: bytes of the parameters on the device (with ``weights_on="host"``: the leaves
+      outside the stack and the stack's layers on the device at once).
+    grad_bytes: bytes of the gradients on the device (likewise).
+    host_weight_bytes: bytes of the weights and gradients in pinned host memory.
     device_state_bytes: optimizer state that stays on the device (small leaves, step count).
     window_peak: offloaded state resident on the device at once during the update.
     activation_bytes: activations and workspace, as given (not estimated).
@@ -152,6 +157,8 @@ class Estimate:
   nvme_buffer_bytes: int
   link_bytes: int
   bandwidths: Bandwidths
+  weights_on: str = "device"
+  host_weight_bytes: int = 0
   leaves: tuple[plan_lib.LeafInfo, ...] | None = dataclasses.field(default=None, repr=False)
   plan: plan_lib.Plan | None = dataclasses.field(default=None, repr=False)
 
@@ -179,7 +186,11 @@ class Estimate:
   @property
   def bytes_per_tier(self) -> dict[str, int]:
     """``{"device": ..., "host": ..., "nvme": ...}``, like `footprint` (device: peak, all of it)."""
-    return {"device": self.device_bytes, "host": self.host_bytes, "nvme": self.nvme_bytes}
+    return {
+      "device": self.device_bytes,
+      "host": self.host_bytes + self.host_weight_bytes,
+      "nvme": self.nvme_bytes,
+    }
 
   @property
   def shortfalls(self) -> tuple[Shortfall, ...]:
@@ -229,10 +240,10 @@ class Estimate:
       else ("params, grads and on-device state")
     )
     return (
-      f"{what} alone take {format_bytes(fixed)}, and optax_offload moves only optimizer state off "
-      f"the device: use a device with more than that plus a window (e.g. {format_bytes(fixed + (1 << 30))}"
-      " with --window-bytes 1GiB) (--device-memory), shard the params over more devices, or train "
-      "fewer parameters."
+      f"{what} alone take {format_bytes(fixed)}: stream the layer stack's weights and grads from "
+      "host memory too (oo.offloaded_scan; --weights-on host --layers N), use a device with more "
+      f"than that plus a window (e.g. {format_bytes(fixed + (1 << 30))} with --window-bytes 1GiB) "
+      "(--device-memory), shard the params over more devices, or train fewer parameters."
     )
 
   @property
@@ -308,6 +319,11 @@ def _param_tree(params: Any) -> Any:
   return params
 
 
+def _in_pinned_host(x: Any) -> bool:
+  """Whether a param leaf (array or `jax.ShapeDtypeStruct`) is placed in pinned host memory."""
+  return getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
+
+
 def _nbytes(x: Any) -> int:
   return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
@@ -319,6 +335,8 @@ def estimate(
   param_dtype: Any = "fp32",
   master_dtype: Any = None,
   update_on: str = "device",
+  weights_on: str = "device",
+  layers: int | None = None,
   device_memory: int | str | None = None,
   host_limit: int | str | None = None,
   nvme_dir: str | os.PathLike | None = None,
@@ -359,6 +377,12 @@ def estimate(
     master_dtype: dtype of an offloaded master copy of lower-precision parameters (``"fp32"``), or
       None. The optimizer's state then has this dtype.
     update_on: ``"device"`` or ``"host"``, as in `offload`.
+    weights_on: ``"host"`` when the layer stack's weights and gradients live in pinned host memory
+      too (`offloaded_scan` forward and backward; `update_and_apply` streams them through the
+      window with the state). For a bare count every parameter is taken to be in the stack of
+      `layers` layers; in a tree, the leaves whose sharding has ``memory_kind="pinned_host"`` are
+      the stack (their leading axis is the layer axis), as `offload` decides.
+    layers: the number of layers in the stack, for a bare count with ``weights_on="host"``.
     device_memory: device memory available to JAX (bytes or ``"24GiB"``), or None not to check it.
       On GPU, JAX preallocates 75% of the card unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says
       otherwise.
@@ -396,6 +420,13 @@ def estimate(
     (8388608, 8196)
   """
   window = check_options(update_on, min_size, window_bytes)
+  if weights_on not in ("device", "host"):
+    raise ValueError(f'weights_on must be "device" or "host", got {weights_on!r}.')
+  if weights_on == "host" and update_on == "host":
+    raise ValueError(
+      'weights_on="host" needs update_on="device": the update streams the weights through the '
+      "window with the state."
+    )
   device_memory = parse_bytes(device_memory, "device_memory")
   host_limit = parse_bytes(host_limit, "host_limit")
   nvme_size = parse_bytes(nvme_size, "nvme_size")
@@ -424,9 +455,49 @@ def estimate(
         "A custom optax transformation needs parameter shapes: pass a tree of arrays or "
         "jax.ShapeDtypeStruct, or an optimizer name for a bare count."
       )
-    return _estimate_count(parse_count(params), parse_dtype(param_dtype), master, opt, common)
+    n, dtype = parse_count(params), parse_dtype(param_dtype)
+    e = _estimate_count(n, dtype, master, opt, common)
+    if weights_on == "device":
+      return e
+    if not (isinstance(layers, int) and 1 <= layers <= n):
+      raise ValueError(
+        'weights_on="host" with a parameter count needs the number of layers in the streamed '
+        f"stack (layers=, --layers), got {layers!r}."
+      )
+    return _with_weights_on_host(e, [(n * dtype.itemsize, layers)])
   tx = optimizer if opt is None else opt.factory()
-  return _estimate_tree(_param_tree(params), tx, master, min_size, common)
+  tree = _param_tree(params)
+  e = _estimate_tree(tree, tx, master, min_size, common)
+  stack = [(_nbytes(x), x.shape[0]) for x in jax.tree.leaves(tree) if _in_pinned_host(x)]
+  if weights_on == "host" and not stack:
+    raise ValueError(
+      'weights_on="host" with shapes: give the layer stack\'s leaves a sharding with '
+      'memory_kind="pinned_host" (as the params offloaded_scan streams have), e.g. '
+      'jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(), memory_kind="pinned_host")).'
+    )
+  return _with_weights_on_host(e, stack) if stack else e
+
+
+def _with_weights_on_host(e: Estimate, stack: list[tuple[int, int]]) -> Estimate:
+  """`e` with the weights and gradients of `stack` ((bytes, layers) per leaf) in pinned host memory:
+  the device holds `layers.WEIGHT_LAYERS_ON_DEVICE` layers of their weights and
+  `layers.GRAD_LAYERS_ON_DEVICE` of their gradients during the forward and backward passes, and
+  the update streams (weights, gradients, state) through the window. Per step the weights cross
+  the link four times (forward, backward, into the update and back) and the gradients twice."""
+  weights = sum(nbytes for nbytes, _ in stack)
+  per_layer = sum(-(-nbytes // n) for nbytes, n in stack)
+  window = e.window_peak
+  if e.plan is None:  # a bare count: the window now carries weights and gradients with the state
+    window = min(e.window_bytes, e.offloaded_bytes + 2 * weights)
+  return dataclasses.replace(
+    e,
+    weights_on="host",
+    param_bytes=e.param_bytes - weights + layers_lib.WEIGHT_LAYERS_ON_DEVICE * per_layer,
+    grad_bytes=e.grad_bytes - weights + layers_lib.GRAD_LAYERS_ON_DEVICE * per_layer,
+    host_weight_bytes=2 * weights,
+    window_peak=window,
+    link_bytes=e.link_bytes + 6 * weights,
+  )
 
 
 def _window(window: int | None, device_memory: int | None) -> int:
@@ -551,11 +622,14 @@ def _leaves(tree: Any, tx, master, min_size: int) -> _Leaves:
     optax.with_extra_args_support(tx), inner_avals, per_leaf, dims, min_size, axis=0
   )
   infos = []
-  for path, size, part, aval, m, n in zip(paths, sizes, per_leaf, inner_avals, has_master, rows):
+  for (_, x), path, size, part, aval, m, n in zip(
+    flat, paths, sizes, per_leaf, inner_avals, has_master, rows
+  ):
     arrays = jax.tree.leaves(part) + ([aval] if m else [])
     offloadable = sum(_nbytes(x) for x in arrays if math.prod(x.shape) >= min_size)
     small += sum(_nbytes(x) for x in arrays if math.prod(x.shape) < min_size)
-    infos.append(plan_lib.LeafInfo(path, size, offloadable, rows=n))
+    moving = 2 * _nbytes(x) if _in_pinned_host(x) else 0  # weights offloaded too
+    infos.append(plan_lib.LeafInfo(path, size, offloadable, rows=n, moving_bytes=moving))
   state_dtypes = {jnp.dtype(x.dtype) for part in per_leaf for x in jax.tree.leaves(part)} or set(
     a.dtype for a in inner_avals
   )

@@ -34,6 +34,11 @@ from jax import lax
 
 from optax_offload._src import _compat
 
+WEIGHT_LAYERS_ON_DEVICE = 3
+"""Layers of weights on the device at once (as compiled: the pair computing and the next fetched)."""
+GRAD_LAYERS_ON_DEVICE = 4
+"""Layers of weight gradients on the device at once (a pair's [2, ...] block and the one written)."""
+
 STREAM_XLA_OPTIONS: dict[str, Any] = {
   "xla_gpu_experimental_parallel_async_compute_limit": 64,
   "xla_gpu_enable_host_memory_offloading": True,
