@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 try:
   import optax_offload
 
@@ -40,3 +42,19 @@ def test_demo_trains_and_matches_plain_optax(tmp_path):
     offloaded, plain = summary["runs"]["host"]["tiers"], summary["runs"]["plain"]["tiers"]
     assert offloaded["host"] > 0
     assert offloaded["device"] < plain["device"]
+
+
+@pytest.mark.skipif(not HAS_OFFLOAD, reason="needs optax_offload")
+def test_demo_streams_the_block_stack_and_matches_plain_optax(tmp_path):
+  # --stream-layers: the blocks' weights stacked in pinned host memory and streamed through
+  # oo.offloaded_scan; two layers (the last --layers wins), so the scan runs more than once.
+  out = tmp_path / "out"
+  args = [*TINY, "--layers", "2", "--steps", "10", "--stream-layers", "--out", str(out)]
+  cmd = [sys.executable, DEMO, *args]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["loss_check"] in ("bit-identical", "within 1e-4 relative")
+  assert summary["max_param_diff"] <= 1e-4, summary["max_param_diff_leaf"]
+  assert summary["runs"]["stream"]["tiers"]["host"] > 0
