@@ -88,8 +88,8 @@ def _worker(command: str, args: list[str]) -> None:
   if command == "run":
     _run(args[0], int(args[1]))
   elif command == "hold":
-    NvmeStore(args[0], GROUPS, chunk_bytes=CHUNK_BYTES)
-    _say("holding", os.getpid())
+    store = NvmeStore(args[0], GROUPS, chunk_bytes=CHUNK_BYTES)  # held: a dropped store closes
+    _say("holding", os.getpid(), store.committed_generation)
     while True:
       time.sleep(60)
   elif command == "open":

@@ -1,45 +1,106 @@
-"""Child process for the NVMe-tier crash test: trains with an NVMe tier until killed.
+"""Child processes of the NVMe-tier tests (`tests/test_nvme_tier.py`).
 
-Usage: python nvme_tier_child.py NVME_DIR STEPS [--no-close]
-Prints "ready" once compilation is done (after two steps). With ``--no-close`` it exits after the last
-step without `oo.sync_nvme` or `oo.close_nvme` (the store's exit hook has to flush the queued commit).
+Usage:
+  python nvme_tier_child.py train NVME_DIR STEPS
+    Trains with an NVMe tier until killed (or STEPS steps). Prints "ready" once compilation is done
+    (after two steps).
+  python nvme_tier_child.py init NVME_DIR
+    Initialises a state with an NVMe tier in NVME_DIR, and exits.
+  python nvme_tier_child.py exit NVME_DIR STEPS OUT
+    Trains STEPS steps with an NVMe tier and, alongside, with the host tier (the same groups, so the
+    same bits), then returns from `main` without `oo.sync_nvme` or `oo.close_nvme`: the NVMe tier's
+    last writes and commit are still queued (its commit is slowed down by `SLOW_COMMIT_S`, as on a
+    slow disk, so that it cannot be done before the interpreter exits unless something waits). Writes to OUT (npz) the host tier's plain state after
+    each step, as ``g{generation}_{i}`` for the i-th leaf of ``oo.to_inner``, the NVMe state naming
+    that generation; prints "exiting GENERATION" last.
 """
 
 import sys
+import time
 
 import jax
+import numpy as np
 import optax
 from conftest import make_grads
 from conftest import make_params
 
 import optax_offload as oo
+from optax_offload._src import nvme_tier
 
 CONFIG = {"window_bytes": 100_000, "host_limit": "200KiB"}
+SLOW_COMMIT_S = 2.0
 
 
-def make_tx(nvme_dir):
+def make_tx(nvme_dir=None):
+  """adamw with `CONFIG`: 'big' on NVMe when `nvme_dir` is given, else all on the host."""
+  if nvme_dir is None:
+    return oo.offload(optax.adamw(1e-2), window_bytes=CONFIG["window_bytes"])
   return oo.offload(optax.adamw(1e-2), nvme_dir=nvme_dir, **CONFIG)
 
 
-def main():
-  nvme_dir, steps = sys.argv[1], int(sys.argv[2])
-  close = "--no-close" not in sys.argv[3:]
-  tx = make_tx(nvme_dir)
-  params = make_params()
-  state = tx.init(params)
-
+def make_step(tx):
   @jax.jit
   def step(p, s, g):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
+  return step
+
+
+def train(nvme_dir: str, steps: int) -> None:
+  tx = make_tx(nvme_dir)
+  params = make_params()
+  state = tx.init(params)
+  step = make_step(tx)
   for t in range(steps):
     params, state = step(params, state, make_grads(params, t))
     jax.block_until_ready(state)
     if t == 1:
       print("ready", flush=True)  # compiled (the second call compiles again for committed inputs)
-  if close:
-    oo.close_nvme(state)
+  oo.close_nvme(state)
+
+
+def exit_unsynced(nvme_dir: str, steps: int, out: str) -> None:
+  nvme_tx, host_tx = make_tx(nvme_dir), make_tx()
+  nvme_step, host_step = make_step(nvme_tx), make_step(host_tx)
+  params = make_params()
+  p_nvme, s_nvme = params, nvme_tx.init(params)
+  p_host, s_host = params, host_tx.init(params)
+  values = {}
+  for t in range(steps):
+    if t == steps - 1:
+      _slow_down_commits(s_nvme)
+    p_nvme, s_nvme = nvme_step(p_nvme, s_nvme, make_grads(params, t))
+    p_host, s_host = host_step(p_host, s_host, make_grads(params, t))
+    # The program has run (its commit is queued), but nothing waits for the writes.
+    generation = int(s_nvme.nvme_generation)
+    for i, x in enumerate(jax.tree.leaves(oo.to_inner(s_host))):
+      values[f"g{generation}_{i}"] = np.asarray(x)
+  np.savez(out, **values)
+  print("exiting", generation, flush=True)
+
+
+def _slow_down_commits(state) -> None:
+  pipeline = nvme_tier.lookup(state.nvme_store).store._pipeline
+  commit = pipeline._commit
+
+  def slow(*args):
+    time.sleep(SLOW_COMMIT_S)
+    commit(*args)
+
+  pipeline._commit = slow
+
+
+def main():
+  command, args = sys.argv[1], sys.argv[2:]
+  if command == "train":
+    train(args[0], int(args[1]))
+  elif command == "init":
+    make_tx(args[0]).init(make_params())
+  elif command == "exit":
+    exit_unsynced(args[0], int(args[1]), args[2])
+  else:
+    raise SystemExit(f"unknown command {command!r}")
 
 
 if __name__ == "__main__":

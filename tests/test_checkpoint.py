@@ -13,9 +13,7 @@ import os
 import pathlib
 import random
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -27,13 +25,15 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import WHOLE_LEAF_WINDOW
 from conftest import bits_equal
+from helpers import expect_line
+from helpers import kill_child
+from helpers import run_child
+from helpers import start_child
 
 import optax_offload as oo
 from optax_offload._src import nvme
 from optax_offload._src import nvme_tier
 
-HERE = os.path.dirname(__file__)
-ENV = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
 STEP = 5
 
 
@@ -143,14 +143,7 @@ def test_resume_in_a_fresh_process(fast_dir):
         "out": str(fast_dir / f"out{n}.npz"),
       }
     )
-  proc = subprocess.run(
-    [sys.executable, os.path.join(HERE, "checkpoint_child.py"), "resume", json.dumps(jobs)],
-    capture_output=True,
-    text=True,
-    env=ENV,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  run_child("checkpoint_child.py", "resume", json.dumps(jobs))
   for (opt, tier), job, want in zip(cases, jobs, wanted):
     with np.load(job["out"]) as got:
       assert _results_equal(want, dict(got)), (opt, tier)
@@ -254,20 +247,10 @@ def test_sigkill_during_training_and_saves(fast_dir):
   rng = random.Random(0)
   procs = []
   for n in range(trials):
-    argv = ["train", str(fast_dir / f"ckpt{n}"), str(fast_dir / f"nvme{n}"), "2"]
-    procs.append(
-      subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "checkpoint_child.py"), *argv]
-        + (["slow_link"] if n == 0 else []),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-      )
-    )
+    argv = ["train", fast_dir / f"ckpt{n}", fast_dir / f"nvme{n}", 2]
+    procs.append(start_child("checkpoint_child.py", *argv, *(["slow_link"] if n == 0 else [])))
   for n, proc in enumerate(procs):
-    line = proc.stdout.readline().strip()
-    assert line == "ready", proc.stderr.read()[-3000:]
+    expect_line(proc, "ready")
     saves = 0
     wanted = 3 if n == 0 else rng.randint(3, 6)
     # "save k" is printed before save(k); save(k) waits for the save before it. So once the
@@ -277,10 +260,7 @@ def test_sigkill_during_training_and_saves(fast_dir):
       assert line, proc.stderr.read()[-3000:]
       saves += line.startswith("save ")
     time.sleep([rng.uniform(1.2, 1.8), rng.uniform(0.0, 0.02), rng.uniform(0.0, 0.3)][n % 3])
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    proc.stdout.close()
-    proc.stderr.close()
+    kill_child(proc)
     if n == 0:  # killed mid-save: its temporary directory is there, and never the latest
       assert any(".orbax-checkpoint-tmp" in p.name for p in (fast_dir / "ckpt0").iterdir())
 

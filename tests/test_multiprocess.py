@@ -4,19 +4,17 @@ Also: when one process of a run is killed, the other one fails fast with a clear
 """
 
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
+from helpers import child_env
+from helpers import start_child
 
 from optax_offload._src import nvme
-
-HERE = os.path.dirname(__file__)
 
 
 def _free_port() -> int:
@@ -27,20 +25,21 @@ def _free_port() -> int:
 
 def _spawn(num_processes: int, out_dir, *flags: str, logs=None) -> list[subprocess.Popen]:
   """Starts the processes of one run of multiprocess_child.py; output to pipes, or to `logs[i]`."""
-  port = str(_free_port())
-  env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  env.pop("XLA_FLAGS", None)
-  child = os.path.join(HERE, "multiprocess_child.py")
+  port = _free_port()
+  env = child_env(XLA_FLAGS=None)  # each process has its own devices
   procs = []
   for i in range(num_processes):
-    out = subprocess.PIPE if logs is None else logs[i]
     procs.append(
-      subprocess.Popen(
-        [sys.executable, child, str(i), str(num_processes), port, str(out_dir), *flags],
+      start_child(
+        "multiprocess_child.py",
+        i,
+        num_processes,
+        port,
+        out_dir,
+        *flags,
         env=env,
-        stdout=out,
+        stdout=subprocess.PIPE if logs is None else logs[i],
         stderr=subprocess.PIPE if logs is None else subprocess.STDOUT,
-        text=True,
       )
     )
   return procs

@@ -1,9 +1,6 @@
 """Flax NNX: `nnx.Optimizer` with offloaded state (host and NVMe tiers), its checkpoints, compiles."""
 
 import logging
-import os
-import subprocess
-import sys
 
 import jax
 import nnx_child as child
@@ -12,11 +9,10 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import bits_equal
 from flax import nnx
+from helpers import run_child
 
 import optax_offload as oo
 
-HERE = os.path.dirname(__file__)
-ENV = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
 TIERS = ["host", "nvme"]
 
 
@@ -75,14 +71,8 @@ def test_restore_in_a_fresh_process(tier, tmp_path):
   _close(optimizer)
   out = tmp_path / "out.npz"
   args = ["resume", tier, str(tmp_path / "ckpt"), "3", str(tmp_path / "nvme_b"), str(out)]
-  proc = subprocess.run(
-    [sys.executable, os.path.join(HERE, "nnx_child.py"), *args],
-    env=ENV,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-3000:]
+  proc = run_child("nnx_child.py", *args)
+  assert "done" in proc.stdout, proc.stderr[-3000:]
   got = dict(np.load(out))
   assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
 

@@ -1,31 +1,29 @@
-"""Tests for the NVMe tier (`optax_offload/_src/nvme.py`)."""
+"""Tests for the NVMe store (`optax_offload/_src/nvme/`): protocol, files on disk, locks and crashes."""
 
 import contextlib
-import importlib.util
+import gc
 import os
 import pathlib
 import queue
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import ml_dtypes
 import numpy as np
+import nvme_child as child
 import pytest
+from helpers import child_env
+from helpers import start_child
 
 from optax_offload._src import nvme
 from optax_offload._src.nvme import LeafSpec
 from optax_offload._src.nvme import NvmeCorruptionError
 from optax_offload._src.nvme import NvmeStore
 from optax_offload._src.nvme import NvmeWriteError
-
-_CHILD = pathlib.Path(__file__).with_name("nvme_child.py")
-_spec = importlib.util.spec_from_file_location("nvme_child", _CHILD)
-child = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(child)
+from optax_offload._src.nvme import format as nvme_format
 
 # Small chunks so that the bigger leaves span several chunk files.
 _CHUNK = 4096
@@ -66,7 +64,7 @@ def _gen_dirs(directory) -> list[str]:
 
 
 def _chunk_files(store: NvmeStore, generation: int, name: str) -> list[pathlib.Path]:
-  leaf_dir = store.generation_path(generation) / nvme._leaf_dirname(name)
+  leaf_dir = store.leaf_path(generation, name)
   return sorted(p for p in (leaf_dir / "c").rglob("*") if p.is_file())
 
 
@@ -97,14 +95,14 @@ def _run_protocol(store: NvmeStore, groups, reference: dict, start: int, steps: 
 
 
 def test_chunk_shape_splits_leading_axes():
-  assert nvme._chunk_shape((100, 10), 4, 400) == (10, 10)
-  assert nvme._chunk_shape((100, 10), 4, 1 << 20) == (100, 10)
-  assert nvme._chunk_shape((4, 1000), 4, 400) == (1, 100)
-  assert nvme._chunk_shape((), 4, 400) == ()
-  assert nvme._chunk_shape((0, 3), 4, 400) == (1, 3)
+  assert nvme_format.chunk_shape((100, 10), 4, 400) == (10, 10)
+  assert nvme_format.chunk_shape((100, 10), 4, 1 << 20) == (100, 10)
+  assert nvme_format.chunk_shape((4, 1000), 4, 400) == (1, 100)
+  assert nvme_format.chunk_shape((), 4, 400) == ()
+  assert nvme_format.chunk_shape((0, 3), 4, 400) == (1, 3)
   # Equal parts: 4 chunks of 12500 rows rather than 3 of 16384 and a padded one.
-  assert nvme._chunk_shape((50_000,), 4, 64 << 10) == (12_500,)
-  assert nvme._chunk_shape((10,), 4, 12) == (3,)
+  assert nvme_format.chunk_shape((50_000,), 4, 64 << 10) == (12_500,)
+  assert nvme_format.chunk_shape((10,), 4, 12) == (3,)
 
 
 @pytest.mark.parametrize("chunk_bytes", [_CHUNK, 1 << 20])
@@ -220,16 +218,16 @@ def test_reads_reuse_buffers_that_nothing_refers_to(tmp_path):
     held = store.fetch(2, 0)  # kept: its buffers must stay as they are
     address = _data_address(held[1])
     store.sync()
-    kept = store._read_buffers._buffers
-    bases = []
+    kept = store._pipeline.read_buffers
+    addresses = []
     for _ in range(3):
       again = store.fetch(2, 0)
       assert _data_address(again[1]) != address  # `held` still refers to the first buffers
-      assert any(again[1].base is b for b in kept)  # a buffer the store keeps
-      bases.append(id(again[1].base))  # not the buffer itself: that would keep it in use
+      assert _data_address(again[1]) in kept.addresses()  # a buffer the store keeps
+      addresses.append(_data_address(again[1]))
       np.testing.assert_array_equal(again[1], values["big"])
       del again  # let go: the next read may reuse its buffers
-    assert bases[0] == bases[1] == bases[2]  # every later read went into the same buffer
+    assert addresses[0] == addresses[1] == addresses[2]  # every later read went into one buffer
     np.testing.assert_array_equal(held[1], values["big"])
     assert not held[1].flags.writeable
     # Past the capacity ((prefetch_depth + 1) groups), reads still work, into fresh arrays.
@@ -241,13 +239,13 @@ def test_reads_reuse_buffers_that_nothing_refers_to(tmp_path):
 
 def _slow_writer(store: NvmeStore, gate: threading.Event) -> None:
   """Makes the store's writer wait for `gate` before each group write."""
-  write = store._write_group
+  write = store._pipeline.write_group
 
   def gated(op):
     assert gate.wait(10)
     write(op)
 
-  store._write_group = gated
+  store._pipeline.write_group = gated
 
 
 def test_put_blocks_when_write_depth_writes_are_pending(tmp_path):
@@ -301,6 +299,18 @@ def test_prefetch_of_next_generation_waits_for_its_write(tmp_path):
     store.put(len(_GROUPS) - 1, 1, last)
     store.commit(1)
     store.sync()
+    _assert_bit_equal(store.read_generation(), reference)
+
+
+def test_a_dropped_store_commits_its_queue_and_releases_the_lock(tmp_path):
+  values = _values(_GROUPS, 8)
+  store = NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK)
+  store.write_initial(0, values)
+  reference = _run_protocol(store, _GROUPS, dict(values), start=0, steps=2)  # queued, not synced
+  del store  # its finalizer closes it: the queued writes and commits are done first
+  gc.collect()
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK, create=False) as store:  # the lock is free
+    assert store.committed_generation == 2
     _assert_bit_equal(store.read_generation(), reference)
 
 
@@ -554,14 +564,8 @@ class _Zygote:
   """`tests/nvme_child.py`: imports the store once and forks a worker per command."""
 
   def __init__(self):
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    self.proc = subprocess.Popen(
-      [sys.executable, str(_CHILD)],
-      stdin=subprocess.PIPE,
-      stdout=subprocess.PIPE,
-      text=True,
-      env=env,
-    )
+    env = child_env(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    self.proc = start_child("nvme_child.py", env=env, stdin=subprocess.PIPE, stderr=None)
     self.lines = queue.Queue()
     threading.Thread(target=self._pump, daemon=True).start()
     self.expect("zygote", timeout=60)

@@ -78,7 +78,6 @@ _NEEDS_TARGET = (
   "OffloadRestore needs the target state: oo.OffloadRestore(tx.init(params)), made by the offload "
   "transformation (and nvme_dir) that is to hold the restored state."
 )
-_TS_CONTEXT = {"cache_pool": {"total_bytes_limit": 0}, "file_io_concurrency": {"limit": 32}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,27 +154,9 @@ def _normalized(path: Sequence[Any]) -> tuple[str, ...]:
   )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-  key: tuple[int, int]
-
-
 def _with_refs_by_path(inner: Any, tier: nvme_tier.NvmeTier, k: int) -> Any:
   """`_with_refs` for an inner state in NNX form: NVMe arrays found by their paths."""
-  layout = tier.layout
-  per_leaf = [
-    part_def.unflatten([_Slot((i, j)) for j in range(part_def.num_leaves)])
-    for i, part_def in enumerate(tier.part_defs)
-  ]
-  # Shared leaves do not matter here; `merge` needs one entry per slot of the inner state.
-  slots = layout.merge([None] * layout._treedef.num_leaves, per_leaf)
-  where = {
-    x.key: _normalized(path)
-    for path, x in jax.tree_util.tree_flatten_with_path(
-      slots, is_leaf=lambda x: isinstance(x, _Slot)
-    )[0]
-    if isinstance(x, _Slot)
-  }
+  where = {key: _normalized(path) for key, path in tier.array_paths().items()}
   flat, treedef = jax.tree_util.tree_flatten_with_path(inner)
   index = {_normalized(path): n for n, (path, _) in enumerate(flat)}
   leaves = [x for _, x in flat]
@@ -220,20 +201,7 @@ def _tier_of(state: OffloadState) -> nvme_tier.NvmeTier | None:
 
 
 def _with_refs(inner: Any, tier: nvme_tier.NvmeTier, k: int) -> Any:
-  layout = tier.layout.matching(inner)
-  shared, per_leaf = layout.split(inner)
-  keys = set(tier.keys())
-
-  def refs(i, part):
-    arrays, treedef = jax.tree.flatten(part)
-    out = []
-    for j, x in enumerate(arrays):
-      if (i, j) in keys:
-        x = _NvmeRef(k, (i, j), *tier.shape_dtype((i, j)), x)
-      out.append(x)
-    return treedef.unflatten(out)
-
-  return layout.merge(shared, [refs(i, part) for i, part in enumerate(per_leaf)])
+  return tier.replace_arrays(inner, lambda key, x: _NvmeRef(k, key, *tier.shape_dtype(key), x))
 
 
 def _decompose(state: Any) -> _Plain:
@@ -274,8 +242,8 @@ def _shape_dtype(x: Any) -> tuple[tuple[int, ...], str]:
 # Files.
 
 
-# The store's own fsync helper: one implementation of durability for NVMe files.
-_fsync = nvme._fsync_path
+# The store's own durability helpers: one implementation for NVMe files.
+_fsync = nvme.fsync_path
 
 
 def _copy_file(src: str, dst: pathlib.Path) -> None:
@@ -313,16 +281,6 @@ def _link_tree(src: pathlib.Path, dst: pathlib.Path, link: bool) -> str:
     _fsync(d, directory=True)
   _fsync(dst.parent, directory=True)
   return mode
-
-
-def _write_json(path: pathlib.Path, doc: dict[str, Any]) -> None:
-  tmp = path.with_name(path.name + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(doc, f, indent=1)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-  _fsync(path.parent, directory=True)
 
 
 def _root(directory: Any) -> pathlib.Path:
@@ -389,14 +347,8 @@ def _read_region(
     if any(a >= b for a, b in box):
       continue
     path = _root(directory) / shard["file"]
-    spec = {
-      "driver": "zarr3",
-      "kvstore": {"driver": "file", "path": str(path).rstrip("/") + "/"},
-      "open": True,
-      "fill_missing_data_reads": False,
-    }
     try:
-      store = ts.open(spec, read=True, context=context).result()
+      store = ts.open(nvme.zarr3_read_spec(str(path)), read=True, context=context).result()
       want = [b - a for a, b in saved]
       if list(store.domain.shape) != want:
         raise ValueError(f"its shape is {list(store.domain.shape)}, expected {want}")
@@ -435,19 +387,19 @@ class _SavePlan:
   has_pytree: bool
   arrays: list[dict[str, Any]]
   sources: list[tuple[pathlib.Path, str]]  # (generation's array directory, name in the checkpoint)
-  pinned: list[tuple[nvme.NvmeStore, int]]
+  pinned: list[tuple[nvme_tier.NvmeTier, int]]
   started: bool = False  # whether the background part ran (it unpins); else `_release_if_dropped`
 
 
-def _unpin(pinned: Sequence[tuple[nvme.NvmeStore, int]]) -> None:
-  for store, generation in pinned:
+def _unpin(pinned: Sequence[tuple[nvme_tier.NvmeTier, int]]) -> None:
+  for tier, generation in pinned:
     try:
-      store.unpin(generation)
+      tier.unpin(generation)
     except (RuntimeError, ValueError, nvme.NvmeError) as e:  # closed store, failed store
       logger.warning(
         "optax_offload checkpoint: could not unpin generation %d of %s: %s",
         generation,
-        store.directory,
+        tier.directory,
         e,
       )
 
@@ -498,10 +450,10 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
           continue
         generation = int(np.asarray(s.nvme_generation))  # waits for the step that made it
         try:
-          tier.store.pin(generation)
+          tier.pin(generation)
         except ValueError:
-          raise _stale_generation_error(generation, tier.store) from None
-        pinned.append((tier.store, generation))
+          raise _stale_generation_error(generation, tier) from None
+        pinned.append((tier, generation))
         generations[k] = generation
       arrays, sources, item_leaves = [], [], []
       for path, x in zip(plain.paths, plain.leaves):
@@ -510,7 +462,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         if _is_ref(x):
           tier = plain.tiers[x.store]
           entry["nvme"] = []
-          for region, src in tier.local_shards(x.key, generations[x.store]):
+          for region, src in tier.stored_parts(x.key, generations[x.store]):
             name = f"process_{jax.process_index()}/store_{x.store}/{src.name}"
             entry["nvme"].append({"file": name, "region": [list(r) for r in region]})
             sources.append((src, name))
@@ -541,7 +493,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         "nvme_transfer": transfer,
         "arrays": plan.arrays,
       }
-      _write_json(root / _MANIFEST, manifest)
+      nvme.write_json_atomic(root / _MANIFEST, manifest)
       _fsync(root.parent, directory=True)
       logger.info(
         "optax_offload checkpoint %s: %d NVMe arrays %s in %.3fs.",
@@ -610,7 +562,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     manifest = _read_manifest(directory)
     target = _decompose(args.item)
     saved = _check_matches(manifest, target, directory)
-    context = ts.Context(_TS_CONTEXT)
+    context = nvme.ts_context()
     values = list(target.leaves)
     in_memory = [n for n, x in enumerate(target.leaves) if not _is_ref(x)]
     from_pytree = [n for n in in_memory if saved[target.paths[n]]["nvme"] is None]
@@ -687,14 +639,12 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def _restore_store(self, directory, target: _Plain, saved, k: int, tier, context) -> int:
     """Writes the target store's arrays as a new generation, one store group at a time."""
-    store = tier.store
-    store.sync()
-    generation = store.new_generation()
     where = {x.key: n for n, x in enumerate(target.leaves) if _is_ref(x) and x.store == k}
     full: dict[int, Any] = {}
-    for group in range(len(store.groups)):
-      shards = tier.store_leaves(group)  # (key, region) of each store leaf
-      members = sorted({where[key] for key, _ in shards})
+
+    def fill(parts):  # (key, region) of each part of one store group
+      nonlocal full
+      members = sorted({where[key] for key, _ in parts})
       # A leaf stored in row slices spans consecutive groups: its array, read whole, serves them
       # all, and is dropped after the last.
       full = {n: x for n, x in full.items() if n in members}
@@ -705,7 +655,7 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
         )
         full.update({n: np.asarray(flat[n]) for n in from_pytree})
       arrays = []
-      for key, region in shards:
+      for key, region in parts:
         n = where[key]
         if n in full:
           arrays.append(np.ascontiguousarray(full[n][_region_slices(region)]))
@@ -713,10 +663,15 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
           dtype = np.dtype(target.leaves[n].dtype)
           shards_saved = saved[target.paths[n]]["nvme"]
           arrays.append(_read_region(directory, shards_saved, region, dtype, context))
-      store.put(group, generation, arrays)
-    store.commit(generation)
-    store.sync()
-    logger.info("optax_offload checkpoint %s: restored into %s.", directory, store)
+      return arrays
+
+    generation = tier.write_generation(fill)
+    logger.info(
+      "optax_offload checkpoint %s: restored into %s, generation %d.",
+      directory,
+      tier.directory,
+      generation,
+    )
     return generation
 
   def metadata(self, directory: Any) -> dict[str, Any] | None:
@@ -730,10 +685,10 @@ class OffloadCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._pytree.close()
 
 
-def _stale_generation_error(generation: int, store: nvme.NvmeStore) -> ValueError:
+def _stale_generation_error(generation: int, tier: nvme_tier.NvmeTier) -> ValueError:
   return ValueError(
     f"Cannot save this optimizer state: the NVMe generation {generation} it names is no longer "
-    f"in {store.directory} (the store keeps the last two). Save the state the latest update "
+    f"in {tier.directory} (the store keeps the last two). Save the state the latest update "
     "returned."
   )
 
@@ -744,9 +699,8 @@ def _check_savable(state: Any) -> None:
   for s, tier in zip(plain.states, plain.tiers):
     if tier is not None:
       generation = int(np.asarray(s.nvme_generation))  # waits for the step that made it
-      tier.store.sync()  # its commit
-      if generation not in tier.store.generations_on_disk:
-        raise _stale_generation_error(generation, tier.store)
+      if not tier.has_generation(generation):  # after its commit
+        raise _stale_generation_error(generation, tier)
 
 
 def _in_memory_space_of(x: Any, like: Any) -> Any:

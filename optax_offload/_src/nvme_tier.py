@@ -25,13 +25,13 @@ one store put (written behind), and each update one allocation and one commit of
 
 from __future__ import annotations
 
-import collections
+import atexit
 import dataclasses
 import itertools
 import logging
 import os
 import pathlib
-import threading
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -44,31 +44,25 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_offload._src import nvme
+from optax_offload._src import nvme_rendezvous as rendezvous_lib
+from optax_offload._src import nvme_shards as shards_lib
 from optax_offload._src import plan as plan_lib
+from optax_offload._src.nvme_shards import Key
+from optax_offload._src.nvme_shards import Region
 
 NvmeOptions = nvme.NvmeOptions
 
 logger = logging.getLogger(__name__)
 
-# Open tiers by id. A tier stays here (and its store open) until `close`, even when the `offload`
-# transformation that made it is gone: the states that name it stay usable.
-_REGISTRY: dict[int, NvmeTier] = {}
 _IDS = itertools.count(1)
 _TOKEN = jax.ShapeDtypeStruct((3,), jnp.int32)
-_SINGLE_AXIS = "nvme_device"
+_EXIT_WAIT_S = 60.0
+"""At exit, how long a tier waits for updates in flight (begun, not yet committed) before closing."""
 
 
 def lookup(store_id: Any) -> NvmeTier:
-  """The live `NvmeTier` a state names by its ``nvme_store`` id."""
-  key = int(np.asarray(store_id))
-  tier = _REGISTRY.get(key)
-  if tier is None:
-    raise RuntimeError(
-      f"The NVMe store {key} named by this state is closed or belongs to another process. Create the "
-      "state with tx.init(params) of the offload transformation that owns the nvme_dir (restore "
-      "checkpoints into such a state)."
-    )
-  return tier
+  """The live `NvmeTier` a state names by its ``nvme_store`` id (see `NvmeTier.lookup`)."""
+  return NvmeTier.lookup(store_id)
 
 
 def process_directory(nvme_dir: str | os.PathLike) -> str:
@@ -81,219 +75,45 @@ def placeholder(x: Any) -> jax.Array:
   return jnp.zeros((0,), x.dtype)
 
 
-Region = tuple[tuple[int, int], ...]
-"""A box of an array: (start, stop) per dimension."""
-
-Rows = tuple[int, int] | None
-"""The rows ``[start, stop)`` of a row slice of a leaf, or None for the whole leaf."""
-
-
-def shard_regions(
-  sharding: jax.sharding.Sharding, shape: Sequence[int]
-) -> tuple[list[Region], dict[int, int]]:
-  """The distinct shards of an array (sorted by offsets) and each device's shard number, by device id."""
-  shape = tuple(shape)
-
-  def region(index) -> Region:
-    return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
-
-  by_device = {d.id: region(i) for d, i in sharding.devices_indices_map(shape).items()}
-  regions = sorted(set(by_device.values()))
-  number = {r: n for n, r in enumerate(regions)}
-  return regions, {d: number[r] for d, r in by_device.items()}
-
-
-def _mesh_and_spec(sharding: Any, part_shape, param_shape) -> tuple[jax.sharding.Mesh, P]:
-  """Where an NVMe array lives: its param's mesh and spec (replicated when shaped otherwise)."""
-  if isinstance(sharding, NamedSharding):
-    spec = sharding.spec if tuple(part_shape) == tuple(param_shape) else P()
-    return sharding.mesh, spec
-  if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    device = jax.local_devices()[0] if sharding is None else next(iter(sharding.device_set))
-    return jax.sharding.Mesh(np.array([device]), (_SINGLE_AXIS,)), P()
-  raise NotImplementedError(
-    f"The NVMe tier needs params with a NamedSharding (or on one device), got {sharding}. Put the "
-    "params on a jax.sharding.Mesh with NamedSharding."
-  )
-
-
-def _check_sliceable(
-  key: tuple[int, int],
-  shape: Sequence[int],
-  param_shape: Sequence[int],
-  regions: Sequence[Region],
-  pieces: Sequence[tuple[int, int]],
-) -> None:
-  """Raises unless the row slices `pieces` tile the rows of every shard of an NVMe array."""
-  rows = param_shape[0] if len(param_shape) else 0
-  problem = None
-  if not len(shape) or shape[0] != rows:
-    problem = f"its shape {tuple(shape)} does not follow the param's rows ({rows})"
-  elif any(region[0] != (0, rows) for region in regions):
-    problem = "its leading axis is sharded"
-  elif [a for a, _ in pieces] != [0, *[b for _, b in pieces[:-1]]] or pieces[-1][1] != rows:
-    problem = f"the slices {list(pieces)} do not tile its {rows} rows"
-  if problem:
-    raise ValueError(
-      f"NvmeTier: leaf {key[0]} is updated in row slices, but its NVMe array {key[1]} cannot be "
-      f"stored in them: {problem}. Keep the leaf whole (a larger window_bytes) or off NVMe."
-    )
-
-
 @dataclasses.dataclass(frozen=True)
-class _Array:
-  """One NVMe-tier array: its place in the state, its sharding, and the shards this process stores."""
-
-  key: tuple[int, int]  # (leaf index, index of the array in the leaf's state part)
-  shape: tuple[int, ...]
-  dtype: np.dtype
-  spec: P
-  regions: list[Region]  # all distinct shards
-  number: dict[int, int]  # device id -> shard number
-  local: list[int]  # the shard numbers this process stores
-  pieces: tuple[Rows, ...] = (None,)  # the row slices stored apart, in row order; (None,): whole
-
-  def name(self, shard: int, rows: Rows = None) -> str:
-    i, j = self.key
-    name = f"leaf{i:05d}_part{j}_shard{shard:04d}"
-    return name if rows is None else f"{name}_rows{rows[0]:06d}-{rows[1]:06d}"
-
-  def region(self, shard: int, rows: Rows = None) -> Region:
-    """The box of the array that a shard's rows `rows` cover (the whole shard for None)."""
-    region = self.regions[shard]
-    return region if rows is None else (tuple(rows), *region[1:])
-
-  def shard_shape(self, rows: Rows = None) -> tuple[int, ...]:
-    return tuple(b - a for a, b in self.region(self.local[0], rows))
-
-  def stored(self) -> list[tuple[int, Rows]]:
-    """(shard, rows) of every store leaf of this array that this process holds."""
-    return [(s, rows) for s in self.local for rows in self.pieces]
+class _Slot:
+  key: Key
 
 
-class _Rendezvous:
-  """Joins the callbacks of this process's devices into one store operation each.
+@atexit.register
+def _close_open_tiers() -> None:
+  """Closes the tiers still open at interpreter exit, each once its updates in flight are committed.
 
-  Every device of the mesh runs each callback of the update with its own shards. The first device
-  to fetch a group reads it (from the prefetch pool) for all; the last device to put a group hands
-  the group to the store; the last to commit commits; the generation an update writes is allocated
-  once per update. A device that runs ahead waits for the others' puts before it reads what they
-  put. A failure in one device's callback is re-raised in the others'.
+  Runs before the stores' own exit hook (this module is imported after the store's) and before JAX's
+  (imported first): an update whose program is still running at exit gets its commit queued, and
+  the store then writes and commits everything queued.
   """
-
-  def __init__(self, store: nvme.NvmeStore, devices: int):
-    self.store, self.devices = store, devices
-    self._cond = threading.Condition()
-    self._begins: collections.Counter[int] = collections.Counter()  # device -> updates begun
-    self._children: dict[int, list[Any]] = {}  # update number -> [generation, devices left]
-    self._fetch_counts: collections.Counter[tuple[int, int]] = collections.Counter()
-    self._fetched: dict[
-      tuple[int, int], list[Any]
-    ] = {}  # (group, n) -> [arrays by name, devices left]
-    self._puts: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
-    self._putting: set[tuple[int, int]] = set()
-    self._commits: collections.Counter[int] = collections.Counter()
-    self._error: BaseException | None = None
-
-  def _check(self) -> None:
-    if self._error is not None:
-      raise RuntimeError(f"NVMe tier: another device's callback failed: {self._error}")
-
-  def _fail(self, error: BaseException) -> None:
-    with self._cond:
-      self._error = self._error or error
-      self._cond.notify_all()
-
-  def begin(self, device: int, parent: int) -> int:
-    with self._cond:
-      self._check()
-      n = self._begins[device]
-      if n not in self._children:
-        # Raises for a stale parent before anything is counted: every device refuses alike, and
-        # the next update starts afresh.
-        self._children[n] = [self.store.new_generation(parent=parent), self.devices]
-      self._begins[device] += 1
-      entry = self._children[n]
-      entry[1] -= 1
-      if entry[1] == 0:
-        del self._children[n]
-      return entry[0]
-
-  def fetch(self, device: int, group: int, generation: int, names: Sequence[str]) -> dict[str, Any]:
-    key = (group, generation)
-    with self._cond:
-      # The n-th fetch of a group by each device is one store fetch (an update fetches each once).
-      n = self._fetch_counts[(device, group)]
-      self._fetch_counts[(device, group)] += 1
-      while True:
-        self._check()
-        entry = self._fetched.get((group, n))
-        if entry is not None:
-          reader = False
-          break
-        if key not in self._puts and key not in self._putting:  # wait for what others still put
-          entry = self._fetched[(group, n)] = [None, self.devices]
-          reader = True
-          break
-        self._cond.wait()
-      while not reader and entry[0] is None:
-        self._cond.wait()
-        self._check()
-    if reader:
-      try:
-        arrays = self.store.fetch(group, generation)
-      except BaseException as e:
-        self._fail(e)
-        raise
-      with self._cond:
-        entry[0] = dict(zip(names, arrays))
-        self._cond.notify_all()
-    with self._cond:
-      entry[1] -= 1
-      if entry[1] == 0:
-        del self._fetched[(group, n)]
-      return entry[0]
-
-  def put(self, device: int, group: int, generation: int, arrays: dict[str, Any], names) -> None:
-    key = (group, generation)
-    with self._cond:
-      self._check()
-      puts = self._puts.setdefault(key, {})
-      puts[device] = arrays
-      if len(puts) < self.devices:
-        return
-      del self._puts[key]
-      self._putting.add(key)
-    merged: dict[str, Any] = {}
-    for arrays_of_device in puts.values():
-      for name, array in arrays_of_device.items():
-        merged.setdefault(name, array)
+  for tier in sorted(NvmeTier._open.values(), key=lambda t: t.id, reverse=True):
+    if not tier._rendezvous.wait_for_updates(_EXIT_WAIT_S):
+      logger.warning(
+        "NVMe store %s: updates still running %.0f s after exit began; closing at the last commit.",
+        tier.directory,
+        _EXIT_WAIT_S,
+      )
     try:
-      self.store.put(group, generation, [merged[name] for name in names])
-    except BaseException as e:
-      self._fail(e)
-      raise
-    finally:
-      with self._cond:
-        self._putting.discard(key)
-        self._cond.notify_all()
-
-  def commit(self, device: int, generation: int, parent: int) -> None:
-    with self._cond:
-      self._check()
-      self._commits[generation] += 1
-      if self._commits[generation] < self.devices:
-        return
-      del self._commits[generation]
-    try:
-      self.store.commit(generation, parent=parent)
-    except BaseException as e:
-      self._fail(e)
-      raise
+      tier.close()
+    except nvme.NvmeError as e:
+      logger.error("NVMe store %s: error while closing at exit: %s", tier.directory, e)
 
 
 class NvmeTier:
   """The NVMe-tier state arrays of one parameter tree, and their store.
+
+  Lifetime: a tier registers itself under its `id` when it opens its store, and stays registered
+  (its store open, its directory locked) until `close` (`oo.close_nvme`), even when the `offload`
+  transformation that made it is gone: the states that name it stay usable. The registry is the one
+  way to find a tier from a state (`lookup`): updates, `footprint`, `to_inner` and checkpoints all
+  use it. At interpreter exit an open tier waits for updates in flight, then its store writes and
+  commits what is queued (a state's last update is committed without `oo.sync_nvme`).
+
+  The interface the rest of the package uses (checkpoints, `footprint`, `to_inner`): `keys`,
+  `shape_dtype`, `replace_arrays`, `array_paths`, `bytes`, `directory`, `sync`, `pin`/`unpin`,
+  `has_generation`, `stored_parts`, `write_generation`, `materialize` and `close`.
 
   Args:
     directory: the store's directory (this process's).
@@ -304,7 +124,7 @@ class NvmeTier:
     parts: abstract state parts per leaf (`jax.ShapeDtypeStruct` trees).
     param_shapes: per leaf, the param's shape.
     shardings: per leaf, the param's sharding (None: the first local device).
-    options: the store's options (`nvme.NvmeOptions`); None: the defaults.
+    options: the store's `NvmeOptions` (None: the defaults).
 
   Raises:
     NotImplementedError: params whose state goes to NVMe are on different meshes.
@@ -314,6 +134,7 @@ class NvmeTier:
 
   layout: Any = None  # the `StateLayout` of the parameter tree, set by `offload`
   closed: bool = False
+  _open: dict[int, NvmeTier] = {}  # the registry: open tiers by id
 
   def __init__(
     self,
@@ -326,83 +147,27 @@ class NvmeTier:
     options: nvme.NvmeOptions | None = None,
   ):
     units = [tuple(unit) for unit in units]
-    slices: dict[int, list[tuple[int, int]]] = {}  # sliced leaf -> its row slices
-    for unit in units:
-      for piece in unit:
-        if not isinstance(piece, plan_lib.Piece):
-          raise TypeError(f"NvmeTier needs the plan's units (tuples of Piece), got {piece!r}.")
-        if not piece.whole:
-          slices.setdefault(piece.leaf, []).append((piece.start, piece.stop))
-    self._arrays: dict[tuple[int, int], _Array] = {}
+    self._arrays, self.mesh = shards_lib.stored_arrays(
+      units, array_tiers, parts, param_shapes, shardings
+    )
     self.part_defs = [jax.tree.structure(part) for part in parts]  # of each leaf's state part
-    meshes = {}
-    for i, kinds in enumerate(array_tiers):
-      for j, x in enumerate(jax.tree.leaves(parts[i])):
-        if kinds[j] is not plan_lib.Tier.NVME:
-          continue
-        mesh, spec = _mesh_and_spec(shardings[i], x.shape, param_shapes[i])
-        meshes.setdefault(mesh, (i, shardings[i]))
-        regions, number = shard_regions(NamedSharding(mesh, spec), x.shape)
-        local = sorted(
-          {number[d.id] for d in mesh.devices.flat if d.process_index == jax.process_index()}
-        )
-        pieces: tuple[Rows, ...] = (None,)
-        if i in slices:
-          pieces = tuple(sorted(slices[i]))
-          _check_sliceable((i, j), x.shape, param_shapes[i], regions, pieces)
-        self._arrays[(i, j)] = _Array(
-          (i, j), tuple(x.shape), np.dtype(x.dtype), spec, regions, number, local, pieces
-        )
-    if len(meshes) > 1:
-      raise NotImplementedError(
-        "The NVMe tier needs every param whose state goes to NVMe on one mesh; got "
-        f"{len(meshes)}: "
-        + "; ".join(f"leaf {i}: {sh}" for i, sh in meshes.values())
-        + ". Put the params on one jax.sharding.Mesh (NamedSharding), or raise host_limit."
-      )
-    (self.mesh,) = meshes
     self._local_devices = [
       d for d in self.mesh.devices.flat if d.process_index == jax.process_index()
     ]
-    # Store groups: the plan's groups restricted to NVMe arrays, in update order. Each holds, for
-    # every piece of the group and every NVMe array of the piece's leaf, the piece's rows of the
-    # shards this process stores (a whole leaf's: its shards).
-    self.groups: dict[int, int] = {}
-    self._members: list[list[tuple[tuple[int, int], Rows]]] = []
-    for k, unit in enumerate(units):
-      leaves = [p.leaf for p in unit]
-      if len(set(leaves)) != len(leaves):
-        raise ValueError(f"NvmeTier: plan group {k} holds a leaf twice: {unit}.")
-      members = [
-        (key, None if piece.whole else (piece.start, piece.stop))
-        for piece in unit
-        for key in sorted(self._arrays)
-        if key[0] == piece.leaf
-      ]
-      if members:
-        self.groups[k] = len(self._members)
-        self._members.append(members)
-    specs = [
-      [
-        nvme.LeafSpec(a.name(s, rows), a.shard_shape(rows), a.dtype)
-        for key, rows in members
-        for a in [self._arrays[key]]
-        for s in a.local
-      ]
-      for members in self._members
-    ]
+    self.groups, self._members = shards_lib.store_groups(units, self._arrays)
+    specs = shards_lib.leaf_specs(self._members, self._arrays)
     self._names = [[spec.name for spec in group] for group in specs]
     self.store = nvme.NvmeStore(
       directory, specs, **dataclasses.asdict(nvme.NvmeOptions.of(options))
     )
-    self._rendezvous = _Rendezvous(self.store, len(self._local_devices))
+    self._rendezvous = rendezvous_lib.Rendezvous(self.store, len(self._local_devices))
     # Generations this tier makes are newer than any on disk when it opened the store; a state
     # naming an older one was made by another store (closed, or in another process).
     self._first_generation = (
       max([self.store.committed_generation, *self.store.generations_on_disk]) + 1
     )
     self.id = next(_IDS)
-    _REGISTRY[self.id] = self
+    NvmeTier._open[self.id] = self
 
   # -- host side --------------------------------------------------------------------------------------
 
@@ -423,24 +188,103 @@ class NvmeTier:
     """The sharding of an NVMe array (its param's mesh)."""
     return NamedSharding(self.mesh, self._arrays[key].spec, memory_kind=memory_kind)
 
-  def local_shards(
-    self, key: tuple[int, int], generation: int
-  ) -> list[tuple[Region, pathlib.Path]]:
-    """This process's stored parts of an NVMe array in a committed generation: (region, zarr3
-    directory) of each shard, or of each row slice of each shard for a leaf updated in slices."""
+  def stored_parts(self, key: Key, generation: int) -> list[tuple[Region, pathlib.Path]]:
+    """Where this process stores an NVMe array in a committed generation.
+
+    Returns (region, zarr3 directory) of each shard, or of each row slice of each shard for a leaf
+    updated in slices. The files are immutable, and stay on disk while the generation is the
+    committed one, its parent, or pinned (`pin`).
+    """
     a = self._arrays[key]
-    gen = self.store.generation_path(generation)
     return [
-      (a.region(s, rows), gen / nvme._leaf_dirname(a.name(s, rows))) for s, rows in a.stored()
+      (a.region(s, rows), self.store.leaf_path(generation, a.name(s, rows)))
+      for s, rows in a.stored()
     ]
 
-  def store_leaves(self, store_group: int) -> list[tuple[tuple[int, int], Region]]:
+  def store_leaves(self, store_group: int) -> list[tuple[Key, Region]]:
     """The leaves of a store group, in store order: (NVMe array key, the region it holds)."""
     return [
       (key, self._arrays[key].region(s, rows))
       for key, rows in self._members[store_group]
       for s in self._arrays[key].local
     ]
+
+  def replace_arrays(self, inner: Any, fn: Callable[[Key, Any], Any]) -> Any:
+    """`inner` (a state's inner state) with each NVMe array's placeholder `x` replaced by
+    ``fn(key, x)``; the params' containers may differ from those `init` saw (Flax NNX)."""
+    layout = self.layout.matching(inner)
+    shared, per_leaf = layout.split(inner)
+
+    def replace(i, part):
+      arrays, treedef = jax.tree.flatten(part)
+      return treedef.unflatten(
+        [fn((i, j), x) if (i, j) in self._arrays else x for j, x in enumerate(arrays)]
+      )
+
+    return layout.merge(shared, [replace(i, part) for i, part in enumerate(per_leaf)])
+
+  def array_paths(self) -> dict[Key, Any]:
+    """Where each NVMe array sits in the inner state: its key path (`jax.tree_util` keys).
+
+    For states whose structure `replace_arrays` cannot split (``nnx.state`` of an optimizer holds
+    the inner state as nested mappings of Variables): find the arrays by path instead.
+    """
+    per_leaf = [
+      part_def.unflatten([_Slot((i, j)) for j in range(part_def.num_leaves)])
+      for i, part_def in enumerate(self.part_defs)
+    ]
+    # Shared leaves do not matter here; `merge` needs one entry per slot of the inner state.
+    slots = self.layout.merge([None] * self.layout._treedef.num_leaves, per_leaf)
+    flat, _ = jax.tree_util.tree_flatten_with_path(slots, is_leaf=lambda x: isinstance(x, _Slot))
+    return {x.key: path for path, x in flat if isinstance(x, _Slot)}
+
+  @property
+  def directory(self) -> pathlib.Path:
+    """This process's store directory."""
+    return self.store.directory
+
+  def sync(self) -> None:
+    """Blocks until every queued write and commit is durable; re-raises background errors."""
+    self.store.sync()
+
+  def has_generation(self, generation: int) -> bool:
+    """Whether `generation` is committed and still on disk, once queued commits are durable."""
+    self.store.sync()
+    return int(generation) in self.store.generations_on_disk
+
+  def pin(self, generation: int) -> None:
+    """Keeps a committed generation on disk until `unpin` (while a checkpoint links its files).
+
+    Raises:
+      ValueError: `generation` is no longer on disk (the store keeps the last two).
+    """
+    self.store.pin(generation)
+
+  def unpin(self, generation: int) -> None:
+    """Undoes `pin`."""
+    self.store.unpin(generation)
+
+  def write_generation(
+    self, fill: Callable[[list[tuple[Key, Region]]], Sequence[np.ndarray]]
+  ) -> int:
+    """Writes a new generation of this process's NVMe arrays and commits it (e.g. a restore).
+
+    The generation is written one store group at a time, so it never sits whole in memory.
+
+    Args:
+      fill: called once per store group, in order, with the (NVMe array key, region) of each of
+        its stored parts (`store_leaves`); returns their data, in that order.
+
+    Returns:
+      The generation, committed and durable.
+    """
+    self.store.sync()
+    generation = self.store.new_generation()
+    for group in range(len(self._members)):
+      self.store.put(group, generation, fill(self.store_leaves(group)))
+    self.store.commit(generation)
+    self.store.sync()
+    return generation
 
   def write_group(self, plan_group: int, generation: int, parts: Mapping[int, Any]) -> None:
     """Queues one plan group's NVMe arrays of a generation (write-behind); `parts` by leaf index.
@@ -518,9 +362,27 @@ class NvmeTier:
       )
 
   def close(self) -> None:
+    """Waits for queued writes, closes the store (its threads and lock) and unregisters. Idempotent."""
     self.closed = True
+    NvmeTier._open.pop(self.id, None)
     self.store.close()
-    _REGISTRY.pop(self.id, None)
+
+  @classmethod
+  def lookup(cls, store_id: Any) -> NvmeTier:
+    """The open tier a state names by its ``nvme_store`` id.
+
+    Raises:
+      RuntimeError: no open tier has that id (closed, or made in another process).
+    """
+    key = int(np.asarray(store_id))
+    tier = cls._open.get(key)
+    if tier is None:
+      raise RuntimeError(
+        f"The NVMe store {key} named by this state is closed or belongs to another process. "
+        "Create the state with tx.init(params) of the offload transformation that owns the nvme_dir "
+        "(restore checkpoints into such a state)."
+      )
+    return tier
 
   def _signature(self) -> tuple[Any, ...]:
     return (self.mesh, self._members, self._arrays)
@@ -531,9 +393,9 @@ class NvmeTier:
     A jitted update keeps the tier it was traced with; a state made by ``tx.init`` after
     `close_nvme` names a new tier of the same layout, which the program then uses instead.
     """
-    if store_id == self.id:
-      return self
-    tier = _REGISTRY.get(store_id)
+    tier = NvmeTier._open.get(store_id)
+    if tier is None and store_id == self.id:
+      return self  # closed: `_check_updatable` says so
     if tier is None:
       raise RuntimeError(
         f"offload: the NVMe store {store_id} named by this optimizer state is closed "
@@ -541,7 +403,7 @@ class NvmeTier:
         "Create a new state with tx.init(params), or restore a checkpoint into one "
         "(oo.OffloadRestore)."
       )
-    if tier._signature() != self._signature():
+    if tier is not self and tier._signature() != self._signature():
       raise ValueError(
         f"offload: this optimizer state's NVMe store {tier.store.directory} holds another layout "
         f"than the store {self.store.directory} this update was traced with: the state was made "

@@ -95,16 +95,7 @@ def tiers(state: Any) -> Any:
     if int(s.nvme_store) < 0:
       return named
     tier = nvme_tier.lookup(s.nvme_store)
-    on_nvme = set(tier.keys())
-    layout = tier.layout.matching(named.inner)
-    shared, per_leaf = layout.split(named.inner)
-
-    def mark(i, part):
-      arrays, treedef = jax.tree.flatten(part)
-      return treedef.unflatten(["nvme" if (i, j) in on_nvme else x for j, x in enumerate(arrays)])
-
-    per_leaf = [mark(i, part) for i, part in enumerate(per_leaf)]
-    return named._replace(inner=layout.merge(shared, per_leaf))
+    return named._replace(inner=tier.replace_arrays(named.inner, lambda key, x: "nvme"))
 
   return jax.tree.map(
     lambda x: of_state(x) if _is_offload_state(x) else of_array(x),
@@ -190,7 +181,7 @@ def sync_nvme(state: Any) -> None:
   """
   for s in _offload_states(state):
     if int(s.nvme_store) >= 0:
-      nvme_tier.lookup(s.nvme_store).store.sync()
+      nvme_tier.lookup(s.nvme_store).sync()
 
 
 def close_nvme(state: Any) -> None:
