@@ -473,12 +473,12 @@ def test_nvme_dir_without_host_limit_warns(params, tmp_path):
 
 
 def _in_host_memory(tree, host_leaves):
-  """`tree` with the leaves named in `host_leaves` put in pinned_host memory (one CPU device)."""
-  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+  """`tree` with the leaves named in `host_leaves` put in pinned_host memory (one CPU device; the
+  SingleDeviceSharding that `oo.to_pinned_host` gives a one-device array)."""
 
   def put(path, x):
     kind = "pinned_host" if jax.tree_util.keystr(path) in host_leaves else "device"
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=kind)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
     return jax.device_put(np.asarray(x), sharding)
 
   return jax.tree_util.tree_map_with_path(put, tree)
@@ -499,8 +499,9 @@ def test_params_and_grads_in_host_memory_stream_with_the_state(name, make, dtype
   params = {
     "layers": jnp.asarray(rng.normal(size=(8, 64, 128)) * 0.1, param_dtype),
     "head": jnp.asarray(rng.normal(size=(64, 32)) * 0.1, param_dtype),
+    "scale": jnp.asarray(rng.normal(size=(3, 64)) * 0.1, param_dtype),  # < min_size: state on device
   }
-  host = {"['layers']"}
+  host = {"['layers']", "['scale']"}
 
   def run(host_leaves):
     tx = oo.offload(make(), window_bytes=3 * 64 * 128 * 16, min_size=256, master_dtype=master)

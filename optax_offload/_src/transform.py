@@ -551,4 +551,8 @@ def _place_array(tier: plan_lib.Tier, j: int, x: jax.Array) -> jax.Array:
     return jax.device_put(x, HOST)
   if tier is plan_lib.Tier.NVME:
     return nvme_tier.placeholder(x)
+  if getattr(jax.typeof(x), "memory_space", None) == HOST:
+    # Built from params in host memory (a master copy): its abstract value must say "device" too,
+    # not only out_shardings (jax 0.10 keeps the traced memory space in the array's type).
+    return jax.device_put(x, DEVICE)
   return x
