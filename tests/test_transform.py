@@ -529,3 +529,11 @@ def test_params_in_host_memory_need_update_and_apply():
   host_tx = oo.offload(optax.sgd(1e-2, momentum=0.9), min_size=256, update_on="host")
   with pytest.raises(NotImplementedError, match="update_on='device'"):
     jax.jit(lambda p, s: oo.update_and_apply(host_tx, p, s, p))(params, host_tx.init(params))
+
+
+def test_many_groups_warn_about_compile_time(caplog):
+  params = {"layers": jnp.zeros((100, 64, 64))}  # 100 layers, a window of about one layer's state
+  tx = oo.offload(optax.sgd(1e-2, momentum=0.9), window_bytes=int(2.25 * 64 * 64 * 4), min_size=256)
+  with caplog.at_level("WARNING", logger="optax_offload._src.transform"):
+    tx.init(params)
+  assert "100 groups" in caplog.text and "raise window_bytes" in caplog.text

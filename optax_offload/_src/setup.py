@@ -24,8 +24,12 @@ from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
 from optax_offload._src import stream
+from optax_offload._src.units import format_bytes
 
 logger = logging.getLogger("optax_offload._src.transform")  # the plan is logged as offload's
+
+MANY_GROUPS = 96
+"""Above this many groups `make_setup` warns about XLA:GPU compile time."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +225,14 @@ def make_setup(
     )
     tier.layout = layout
   logger.info("offload plan:\n%s", plan_lib.describe_plan(the_plan, leaves))
+  if len(the_plan.units) > MANY_GROUPS:
+    logger.warning(
+      "offload: %d groups. XLA:GPU's compile time grows faster than the number of groups "
+      "(measured, one stacked leaf: 64 groups 19 s, 128 groups 120 s); raise window_bytes (now "
+      "%s) for fewer, larger groups.",
+      len(the_plan.units),
+      format_bytes(window_bytes if window_bytes is not None else default_window_bytes()),
+    )
   if jax.default_backend() == "gpu":
     devices = max(1, len(jax.local_devices()))
     warning = plan_lib.pinned_pool_warning(the_plan.bytes_per_tier["host"] // devices)
