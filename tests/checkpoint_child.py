@@ -20,21 +20,17 @@ import optax
 import orbax.checkpoint as ocp
 from conftest import make_grads
 from conftest import make_params
+from helpers import nvme_optimizers
 
 import optax_offload as oo
 
 WINDOW = 100_000  # several groups for make_params()
 RESUME_STEPS = 5
 TIERS = ("device", "host", "nvme", "mixed")
-# (name, inner factory, host_limit that keeps some leaves on host and sends the rest to NVMe)
-_OPTIMIZERS = {
-  "adamw": (lambda: optax.adamw(1e-2, weight_decay=1e-2), "200KiB"),
-  "lion": (lambda: optax.lion(1e-3), "100KiB"),
-  "sgd_momentum": (lambda: optax.sgd(1e-2, momentum=0.9), "100KiB"),
-  "adafactor": (lambda: optax.adafactor(1e-2), "40KiB"),
-  "chain_clip_adamw": (lambda: optax.adamw(1e-2, weight_decay=1e-2), "200KiB"),
-  "multisteps_adamw": (lambda: optax.adamw(1e-2, weight_decay=1e-2), "200KiB"),
-}
+# name -> (inner factory, host_limit that keeps some leaves on host and sends the rest to NVMe): the
+# NVMe rows of `helpers.OPTIMIZERS`, and adamw wrapped by `make_tx` in a chain and in MultiSteps.
+_OPTIMIZERS = {o.name: (o.make, o.nvme_host_limit) for o in nvme_optimizers()}
+_OPTIMIZERS |= {f"{w}_adamw": _OPTIMIZERS["adamw"] for w in ("chain_clip", "multisteps")}
 OPTIMIZERS = tuple(_OPTIMIZERS)
 
 

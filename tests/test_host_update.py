@@ -12,23 +12,18 @@ from conftest import bits_equal
 from conftest import make_grads
 from conftest import make_params
 from conftest import train
+from helpers import optimizers
 
 import optax_offload as oo
 
 WINDOW = 100_000
 
-_OPTIMIZERS = (
-  ("adamw", lambda: optax.adamw(1e-2, weight_decay=1e-2)),
-  ("adam", lambda: optax.adam(1e-2)),
-  ("lion", lambda: optax.lion(1e-3)),
-  ("sgd_momentum", lambda: optax.sgd(1e-2, momentum=0.9)),
-  ("adafactor", lambda: optax.adafactor(1e-2)),  # builds constants with jnp.where/ones_like
-  ("lamb", lambda: optax.lamb(1e-2)),
-)
+_OPTIMIZERS = optimizers("adamw", "adam", "lion", "sgd_momentum", "adafactor", "lamb")
 
 
-@pytest.mark.parametrize("name,make", _OPTIMIZERS, ids=[o[0] for o in _OPTIMIZERS])
-def test_host_update_equals_device_update_bit_for_bit(name, make):
+@pytest.mark.parametrize("opt", _OPTIMIZERS, ids=lambda o: o.name)
+def test_host_update_equals_device_update_bit_for_bit(opt):
+  name, make = opt.name, opt.make
   params = make_params()
   dev_params, dev_state = train(oo.offload(make(), window_bytes=WINDOW), params, 10, donate=True)
   tx = oo.offload(make(), window_bytes=WINDOW, update_on="host")

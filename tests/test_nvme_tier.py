@@ -16,6 +16,7 @@ from conftest import make_params
 from conftest import train
 from helpers import expect_line
 from helpers import kill_child
+from helpers import nvme_optimizers
 from helpers import run_child
 from helpers import start_child
 from jax.sharding import NamedSharding
@@ -29,17 +30,10 @@ WINDOW = 100_000
 # make_params() has 632 KiB of Adam state off the device; 200 KiB of host keeps 'big' (469 KiB) on NVMe.
 HOST_LIMIT = "200KiB"
 
-# (name, factory, host_limit that sends some leaves to NVMe)
-_OPTIMIZERS = (
-  ("adamw", lambda: optax.adamw(1e-2, weight_decay=1e-2), HOST_LIMIT),
-  ("lion", lambda: optax.lion(1e-3), "100KiB"),
-  ("sgd_momentum", lambda: optax.sgd(1e-2, momentum=0.9), "100KiB"),
-  ("adafactor", lambda: optax.adafactor(1e-2), "40KiB"),  # factored state: 84 KiB in all
-)
 
-
-@pytest.mark.parametrize("name,make,host_limit", _OPTIMIZERS, ids=[o[0] for o in _OPTIMIZERS])
-def test_nvme_equals_host_tier_bit_for_bit(name, make, host_limit, tmp_path):
+@pytest.mark.parametrize("opt", nvme_optimizers(), ids=lambda o: o.name)
+def test_nvme_equals_host_tier_bit_for_bit(opt, tmp_path):
+  name, make, host_limit = opt.name, opt.make, opt.nvme_host_limit
   params = make_params()
   host_params, host_state = train(oo.offload(make(), window_bytes=WINDOW), params, 20, donate=True)
   tx = oo.offload(make(), window_bytes=WINDOW, host_limit=host_limit, nvme_dir=str(tmp_path))

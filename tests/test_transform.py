@@ -10,10 +10,12 @@ from conftest import bits_equal
 from conftest import make_grads
 from conftest import make_params
 from conftest import train
+from helpers import OPTIMIZERS
 
 import optax_offload as oo
 
-# (name, factory, exact when grouped, params exact with update_and_apply). With one group every
+# `helpers.OPTIMIZERS` says which are exact when grouped (`exact`), and whose params are exact with
+# update_and_apply (`exact_apply`). With one group every
 # optimizer is bit-exact. Grouped, the state of the exact ones stays bit for bit; the Adam family's
 # does not: XLA fuses the scalar bias correction (`1 - b**count`, a `power`) into each leaf's loop
 # or computes it once depending on the group's shape, and the fused `power` is approximated per
@@ -23,32 +25,15 @@ import optax_offload as oo
 # within tolerance with tx.update, bit for bit with update_and_apply (which applies in the update),
 # adafactor aside (its whole-leaf update fuses differently with the applied params). Measured
 # (lamb, bf16 'embed'): tx.update within 1 ulp of bf16 after 20 steps, update_and_apply within 2.
-_OPTIMIZERS_UNDER_TEST = (
-  ("adam", lambda: optax.adam(1e-2), False, False),
-  ("adamw", lambda: optax.adamw(1e-2, weight_decay=1e-2), False, False),
-  ("nadamw", lambda: optax.nadamw(1e-2), False, False),
-  ("adabelief", lambda: optax.adabelief(1e-2), False, False),
-  ("lamb", lambda: optax.lamb(1e-2), False, False),
-  ("lion", lambda: optax.lion(1e-3), True, True),
-  ("sgd_momentum", lambda: optax.sgd(1e-2, momentum=0.9), True, True),
-  ("rmsprop", lambda: optax.rmsprop(1e-2), True, True),
-  ("adagrad", lambda: optax.adagrad(1e-2), True, True),
-  ("adafactor", lambda: optax.adafactor(1e-2), True, False),
-  ("lars", lambda: optax.lars(1e-2), True, True),
-  ("sm3", lambda: optax.sm3(1e-2), True, True),
-)
 
 SMALL_WINDOW = 100_000  # several groups for make_params(), 'big' in row slices
 STEPS = 20
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-@pytest.mark.parametrize(
-  "name,make,exact,exact_apply",
-  _OPTIMIZERS_UNDER_TEST,
-  ids=lambda x: x if isinstance(x, str) else "",
-)
-def test_matches_plain_optax(name, make, exact, exact_apply, jit):
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_matches_plain_optax(opt, jit):
+  name, make, exact, exact_apply = opt.name, opt.make, opt.exact, opt.exact_apply
   params = make_params()
   steps = STEPS if jit else 8  # eager is slow; the grouping logic is the same
   ref_params, ref_state = train(make(), params, steps, jit=jit)
