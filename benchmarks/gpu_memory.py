@@ -9,11 +9,18 @@ and host bytes from XLA's buffer assignment. Variants:
 * ``plain_bf16``: bf16 params, ``optax.adamw(mu_dtype=fp32)`` (no master copy);
 * ``offload_state``: bf16 params, ``oo.offload(optax.adamw, master_dtype=fp32)`` with
   ``oo.update_and_apply``: fp32 master weights and moments in pinned host memory, streamed through
-  a window of `--window` (default 10% of the card).
+  a window of `--window` (default 10% of the card; 25% for ``offload_all``, whose device is
+  otherwise nearly empty: fewer groups compile faster, see docs/gpu.md);
+* ``offload_all``: as ``offload_state`` with the layer stack's bf16 weights and gradients in pinned
+  host memory too: `oo.offloaded_scan` brings each layer in during the forward and backward pass
+  and sends its gradient back; `oo.update_and_apply` streams (weights, gradients, state) row slices
+  through the window. Compiled with `oo.STREAM_XLA_OPTIONS`.
 
 "Fits" means device bytes <= `--usable` x the card's memory (XLA preallocates 75% unless
 ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise; set it to 0.95 to use what this assumes).
-``--largest`` finds the largest model of the 13B shape (d 5120, ffn 13824) that fits each card:
+``--largest`` finds the largest model of the 13B shape (d 5120, ffn 13824) that fits each card
+(not for ``offload_all``, whose device bytes barely grow with the layers: host memory and disk
+bound it, 16 B/param; ``python -m optax_offload plan`` says how they split):
 device bytes are linear in the number of layers, so it compiles two depths, solves for the most
 layers under the limit and compiles that depth to check.
 
@@ -40,13 +47,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import optax_offload as oo  # noqa: E402
 from benchmarks import llama  # noqa: E402
 from benchmarks._common import write_json  # noqa: E402
+from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
 from optax_offload._src import gpu_program  # noqa: E402
 
-VARIANTS = ("plain_fp32", "plain_bf16", "offload_state")
+VARIANTS = ("plain_fp32", "plain_bf16", "offload_state", "offload_all")
 OPTIONAL = ("offload_host",)
 """``offload_host``: as ``offload_state`` with ``update_on="host"`` (the update runs on the CPU)."""
 GiB = 1 << 30
+_MESH = jax.sharding.Mesh(jax.devices("cpu")[:1], ("d",))
+_DEVICE = jax.sharding.NamedSharding(_MESH, jax.sharding.PartitionSpec())
+_HOST = jax.sharding.NamedSharding(_MESH, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
 _MEMORY = {"h100_80gb": 84978434048, "h100_24gb": 24 * GiB}
+
+
+def offload_params(cfg: llama.Config, variant: str) -> dict:
+  """bf16 params on the device; with ``offload_all`` the layer stack in pinned host memory."""
+  params = llama.abstract_params(cfg, jnp.bfloat16, sharding=_DEVICE)
+  if variant == "offload_all":
+    params["layers"] = llama.abstract_params(cfg, jnp.bfloat16, sharding=_HOST)["layers"]
+  return params
 
 
 def compile_step(cfg: llama.Config, variant: str, target: str, window: int | None, seq: int = 2048):
@@ -59,8 +78,8 @@ def compile_step(cfg: llama.Config, variant: str, target: str, window: int | Non
     params = llama.abstract_params(cfg, jnp.bfloat16)
     tx = optax.adamw(1e-4, mu_dtype=jnp.float32)
     state = jax.eval_shape(tx.init, params)
-  elif variant in ("offload_state", "offload_host"):
-    params = llama.abstract_params(cfg, jnp.bfloat16)
+  elif variant in ("offload_state", "offload_host", "offload_all"):
+    params = offload_params(cfg, variant)
     tx = oo.offload(
       optax.adamw(1e-4),
       master_dtype=jnp.float32,
@@ -72,7 +91,7 @@ def compile_step(cfg: llama.Config, variant: str, target: str, window: int | Non
     raise ValueError(f"unknown variant {variant!r}: one of {VARIANTS + OPTIONAL}")
 
   def step(params, state, tokens):
-    loss, grads = jax.value_and_grad(lambda p: llama.loss_fn(cfg, p, tokens))(params)
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(cfg, p, tokens))(params)
     if variant.startswith("offload"):
       params, state = oo.update_and_apply(tx, grads, state, params)
     else:
@@ -80,8 +99,10 @@ def compile_step(cfg: llama.Config, variant: str, target: str, window: int | Non
       params = optax.apply_updates(params, updates)
     return params, state, loss
 
+  loss_fn = streamed_loss_fn if variant == "offload_all" else llama.loss_fn
+  options = oo.STREAM_XLA_OPTIONS if variant == "offload_all" else None
   return gpu_program.compile_for_gpu(
-    step, params, state, tokens, donate_argnums=(0, 1), target=target
+    step, params, state, tokens, donate_argnums=(0, 1), target=target, xla_flags=options
   )
 
 
@@ -105,7 +126,7 @@ def row(name: str, cfg: llama.Config, variant: str, target: str, window, usable:
   if variant.startswith("offload"):
     # oo.estimate's device figure (params, grads, window, small-leaf state; activations excluded).
     est = oo.estimate(
-      llama.abstract_params(cfg, jnp.bfloat16),
+      offload_params(cfg, variant),
       optimizer=optax.adamw(1e-4),
       master_dtype="fp32",
       window_bytes=window,
@@ -156,7 +177,11 @@ def main(argv=None) -> dict:
   parser.add_argument("--models", default="1B,7B,13B")
   parser.add_argument("--targets", default="h100_80gb,h100_24gb")
   parser.add_argument("--variants", default=",".join(VARIANTS))
-  parser.add_argument("--window", default=None, help="offload window (default: 10%% of the card)")
+  parser.add_argument(
+    "--window",
+    default=None,
+    help="offload window (default: 10%% of the card, 25%% for offload_all)",
+  )
   parser.add_argument("--usable", type=float, default=0.95, help="usable fraction of the card")
   parser.add_argument("--largest", action="store_true", help="also find the largest model per card")
   parser.add_argument("--json", default=None, help="write the rows here (one object per row)")
@@ -164,12 +189,17 @@ def main(argv=None) -> dict:
 
   rows, largest_rows = [], []
   for target in args.targets.split(","):
-    window = oo.parse_bytes(args.window, "--window") or int(0.1 * _MEMORY[target])
+    given = oo.parse_bytes(args.window, "--window")
     for name in args.models.split(","):
       for variant in args.variants.split(","):
+        window = given or int((0.25 if variant == "offload_all" else 0.1) * _MEMORY[target])
         rows.append(row(name, llama.CONFIGS[name], variant, target, window, args.usable))
+    window = given or int(0.1 * _MEMORY[target])
     if args.largest:
       for variant in args.variants.split(","):
+        if variant == "offload_all":  # the device holds a few layers: host and disk set the limit
+          print("largest offload_all: not searched (device bytes barely grow with the layers)")
+          continue
         found = largest(variant, target, window, args.usable, llama.CONFIGS["13B"])
         largest_rows.append(found)
         print(

@@ -223,3 +223,20 @@ def test_params_and_grads_in_host_memory_stream_with_the_state():
   assert moved == {"to_device": 16 * n, "to_host": 14 * n}  # grads come in; params, state both ways
   for direction in ("to_device", "to_host"):
     assert schedule.overlap_fraction(direction) >= 0.8, (direction, schedule.overlap(direction))
+
+
+def test_a_stacked_llama_step_with_the_weights_offloaded_too():
+  # The same step with the layer stack's bf16 weights and gradients in pinned host memory too
+  # (offloaded_scan + update_and_apply on host params): of the stack, the device holds a few layers
+  # of weights and gradients (3 and 4) instead of all 24; the host holds them beside the state.
+  from benchmarks import gpu_memory
+  from benchmarks import llama
+
+  cfg = llama.Config(d=256, layers=24, ffn=768, heads=4, vocab=4096)
+  stack = cfg.params - 2 * cfg.vocab * cfg.d - cfg.d
+  window = 32 * MiB  # about 20 groups (compile time grows fast with the group count)
+  state = gpu_memory.compile_step(cfg, "offload_state", "h100_24gb", window, seq=256).memory
+  both = gpu_memory.compile_step(cfg, "offload_all", "h100_24gb", window, seq=256).memory
+  assert both.host >= 0.99 * (12 * cfg.params + 4 * stack)  # state, and the stack's weights + grads
+  off_device = state.device - both.device
+  assert off_device >= 4 * stack * (24 - 7) / 24 * 0.9, (state.device, both.device)
