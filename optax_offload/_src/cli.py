@@ -153,9 +153,13 @@ def _summary(e: estimate_lib.Estimate) -> list[str]:
     state_per = (e.offloaded_bytes - e.master_bytes) / e.params
     parts = [f"{e.master_bytes / e.params:g} B master"] if e.master_bytes else []
     parts.append(f"{state_per:g} B {e.optimizer}" + (f" ({opt.state})" if opt else ""))
+    on_device = (
+      f"{e.param_bytes / e.params:g} B param + {e.grad_bytes / e.params:g} B grad on device"
+    )
+    if e.weights_on == "host":
+      on_device = f"{e.host_weight_bytes / e.params:g} B param + grad in host memory"
     lines.append(
-      f"per parameter: {e.param_bytes / e.params:g} B param + {e.grad_bytes / e.params:g} B grad on "
-      f"device; {e.offloaded_bytes / e.params:g} B offloaded: {' + '.join(parts)}"
+      f"per parameter: {on_device}; {e.offloaded_bytes / e.params:g} B offloaded: {' + '.join(parts)}"
     )
   return lines
 
@@ -167,10 +171,11 @@ def _tiers(e: estimate_lib.Estimate) -> list[str]:
   device_parts = [f"params {fmt(e.param_bytes)}", f"grads {fmt(e.grad_bytes)}"]
   if e.weights_on == "host":
     device_parts = [
-      f"params {fmt(e.param_bytes)} (incl. {layers_lib.WEIGHT_LAYERS_ON_DEVICE} stack layers)",
-      f"grads {fmt(e.grad_bytes)} (incl. {layers_lib.GRAD_LAYERS_ON_DEVICE} stack layers)",
+      f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack",
+      f"max(stack layers {fmt(e.stack_layer_bytes)} ({layers_lib.WEIGHT_LAYERS_ON_DEVICE} of "
+      f"weights, {layers_lib.GRAD_LAYERS_ON_DEVICE} of grads), window {fmt(e.window_peak)})",
     ]
-  if e.window_peak:
+  if e.window_peak and e.weights_on != "host":
     if e.update_on == "host":
       device_parts.append(f"updates returned at once, beyond the grads {fmt(e.window_peak)}")
     else:

@@ -119,8 +119,11 @@ class Estimate:
     nvme_capacity: disk bytes available to the NVMe tier, or None (not checked).
     window_bytes: the window `offload` would use.
     param_bytes: bytes of the parameters on the device (with ``weights_on="host"``: the leaves
-      outside the stack and the stack's layers on the device at once).
+      outside the stack).
     grad_bytes: bytes of the gradients on the device (likewise).
+    stack_layer_bytes: with ``weights_on="host"``, the stack's weights and gradients on the device
+      at once during the forward and backward passes (a few layers); the window is used only
+      after them, so the device peak counts the larger of the two.
     host_weight_bytes: bytes of the weights and gradients in pinned host memory.
     device_state_bytes: optimizer state that stays on the device (small leaves, step count).
     window_peak: offloaded state resident on the device at once during the update.
@@ -158,6 +161,7 @@ class Estimate:
   link_bytes: int
   bandwidths: Bandwidths
   weights_on: str = "device"
+  stack_layer_bytes: int = 0
   host_weight_bytes: int = 0
   leaves: tuple[plan_lib.LeafInfo, ...] | None = dataclasses.field(default=None, repr=False)
   plan: plan_lib.Plan | None = dataclasses.field(default=None, repr=False)
@@ -169,12 +173,13 @@ class Estimate:
 
   @property
   def device_bytes(self) -> int:
-    """Peak device memory: params, grads, on-device state, the window and activations."""
+    """Peak device memory: params, grads, on-device state, the window (or, if larger, the stack's
+    layers streamed during the forward and backward passes) and activations."""
     return (
       self.param_bytes
       + self.grad_bytes
       + self.device_state_bytes
-      + self.window_peak
+      + max(self.window_peak, self.stack_layer_bytes)
       + self.activation_bytes
     )
 
@@ -482,18 +487,20 @@ def _with_weights_on_host(e: Estimate, stack: list[tuple[int, int]]) -> Estimate
   """`e` with the weights and gradients of `stack` ((bytes, layers) per leaf) in pinned host memory:
   the device holds `layers.WEIGHT_LAYERS_ON_DEVICE` layers of their weights and
   `layers.GRAD_LAYERS_ON_DEVICE` of their gradients during the forward and backward passes, and
-  the update streams (weights, gradients, state) through the window. Per step the weights cross
+  after them the update streams (weights, gradients, state) through the window. Per step the weights cross
   the link four times (forward, backward, into the update and back) and the gradients twice."""
   weights = sum(nbytes for nbytes, _ in stack)
   per_layer = sum(-(-nbytes // n) for nbytes, n in stack)
   window = e.window_peak
   if e.plan is None:  # a bare count: the window now carries weights and gradients with the state
     window = min(e.window_bytes, e.offloaded_bytes + 2 * weights)
+  layers_on_device = layers_lib.WEIGHT_LAYERS_ON_DEVICE + layers_lib.GRAD_LAYERS_ON_DEVICE
   return dataclasses.replace(
     e,
     weights_on="host",
-    param_bytes=e.param_bytes - weights + layers_lib.WEIGHT_LAYERS_ON_DEVICE * per_layer,
-    grad_bytes=e.grad_bytes - weights + layers_lib.GRAD_LAYERS_ON_DEVICE * per_layer,
+    param_bytes=e.param_bytes - weights,
+    grad_bytes=e.grad_bytes - weights,
+    stack_layer_bytes=layers_on_device * per_layer,
     host_weight_bytes=2 * weights,
     window_peak=window,
     link_bytes=e.link_bytes + 6 * weights,
