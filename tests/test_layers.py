@@ -72,7 +72,7 @@ def test_training_with_the_weights_offloaded_equals_training_without(make, dtype
   master = None if dtype == "fp32" else jnp.float32
 
   def run(loss_fn, params):
-    tx = oo.offload(make(), master_dtype=master, window_bytes=64 * 1024, min_size=256)
+    tx = oo.offload(make(), master_dtype=master, window_bytes=512 * 1024, min_size=256)
     state = tx.init(params)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))

@@ -511,6 +511,9 @@ def test_params_in_host_memory_need_update_and_apply():
   state = tx.init(params)
   with pytest.raises(ValueError, match="update_and_apply"):
     jax.jit(tx.update)(params, state, params)
+  small = oo.offload(optax.sgd(1e-2, momentum=0.9), min_size=256, window_bytes=4 * 128 * 4)
+  with pytest.raises(ValueError, match=r"smaller than one layer \(row\) of \['w'\].*at least"):
+    small.init(params)  # a row: 128 fp32 of weight, gradient and momentum each (1.5 KiB)
   host_tx = oo.offload(optax.sgd(1e-2, momentum=0.9), min_size=256, update_on="host")
   with pytest.raises(NotImplementedError, match="update_on='device'"):
     jax.jit(lambda p, s: oo.update_and_apply(host_tx, p, s, p))(params, host_tx.init(params))

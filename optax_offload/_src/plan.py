@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 from collections.abc import Sequence
 
@@ -240,6 +241,15 @@ def _pieces(leaves: Sequence[LeafInfo], tiers: Sequence[Tier], budget: int) -> l
   pieces = []
   for i, (leaf, tier) in enumerate(zip(leaves, tiers)):
     nbytes = leaf.moving_bytes + (0 if tier is Tier.DEVICE else leaf.state_bytes)
+    row = -(-nbytes // max(leaf.rows, 1))
+    if leaf.moving_bytes and row > budget:
+      what = f"one layer (row) of {leaf.path}" if leaf.rows >= 2 else f"{leaf.path} (not split)"
+      raise ValueError(
+        f"offload: window_bytes {format_bytes(int(budget * WINDOW_SLOTS))} is smaller than {what}, "
+        f"whose weights live in host memory: {format_bytes(row)} of "
+        f"weights, gradients and state, and a group holds window_bytes / {WINDOW_SLOTS}. Raise "
+        f"window_bytes to at least {format_bytes(math.ceil(row * WINDOW_SLOTS))}."
+      )
     if nbytes <= budget or leaf.rows < 2:
       pieces.append(Piece(i))
       continue
