@@ -198,7 +198,9 @@ def test_params_and_grads_in_host_memory_stream_with_the_state():
   mesh = jax.sharding.Mesh(jax.devices("cpu")[:1], ("d",))
   host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
   params = {"layers": jax.ShapeDtypeStruct((16, 1024, 2048), jnp.bfloat16, sharding=host)}
-  tx = oo.offload(optax.adamw(1e-3), window_bytes=64 * MiB, master_dtype=jnp.float32)
+  # A layer (row): 2M params x (4 B master + 8 B moments + 2 B weight + 2 B grad) = 32 MiB; a
+  # group holds window / 2.25, so the window must be at least 72 MiB.
+  tx = oo.offload(optax.adamw(1e-3), window_bytes=80 * MiB, master_dtype=jnp.float32)
   state = oo.abstract_state(tx, params)
 
   def step(params, state, grads):
@@ -214,7 +216,7 @@ def test_params_and_grads_in_host_memory_stream_with_the_state():
   )
   n = 16 * 1024 * 2048
   memory, schedule = program.memory, program.schedule
-  assert memory.temp <= 1.10 * 64 * MiB + MiB, memory
+  assert memory.temp <= 1.10 * 80 * MiB + MiB, memory
   assert memory.host_temp == 0
   assert memory.host_alias == memory.host_output == 14 * n  # new params and state, donated
   moved = {
