@@ -70,8 +70,7 @@ class GPT(nnx.Module):
     x = self.tok(ids) + self.pos(jnp.arange(ids.shape[-1]))
     mask = nnx.make_causal_mask(ids)
     if isinstance(self.blocks, Block):  # --stream-layers: one Block holding every layer's params
-      block_def, stack = nnx.split(self.blocks)
-      x, _ = oo.offloaded_scan(lambda x, w: (nnx.merge(block_def, w)(x, mask), None), x, stack)
+      x = oo.offloaded_layers(self.blocks, x, mask)
     else:
       for block in self.blocks:
         x = block(x, mask)

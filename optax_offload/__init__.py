@@ -18,6 +18,7 @@ from optax_offload._src.gpu_program import GpuProgram
 from optax_offload._src.gpu_program import compile_for_gpu
 from optax_offload._src.grads import value_and_grad_to_host
 from optax_offload._src.layers import STREAM_XLA_OPTIONS
+from optax_offload._src.layers import offloaded_layers
 from optax_offload._src.layers import offloaded_scan
 from optax_offload._src.layers import to_pinned_host
 from optax_offload._src.measure import Bandwidths
@@ -75,6 +76,7 @@ __all__ = (
   "master_params",
   "measure_bandwidths",
   "offload",
+  "offloaded_layers",
   "offloaded_scan",
   "parse_bytes",
   "sync_nvme",

@@ -96,6 +96,37 @@ def test_training_with_the_weights_offloaded_equals_training_without(make, dtype
   assert all(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(got[0]["layers"]))
 
 
+def test_a_stacked_nnx_module_streams_with_offloaded_layers():
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+      self.up = nnx.Linear(d, 2 * d, rngs=rngs)
+      self.down = nnx.Linear(2 * d, d, rngs=rngs)
+
+    def __call__(self, x, scale):
+      return x + scale * self.down(jax.nn.gelu(self.up(x)))
+
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(key):
+    return Block(16, nnx.Rngs(key))
+
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  plain = make(jax.random.split(jax.random.key(0), 5))
+  streamed = make(jax.random.split(jax.random.key(0), 5))
+  nnx.update(streamed, oo.to_pinned_host(nnx.state(streamed)))
+
+  def plain_loss(m):
+    graphdef, stack = nnx.split(m)
+    body = jax.checkpoint(lambda x, w: (nnx.merge(graphdef, w)(x, 0.5), None))
+    return jnp.mean(lax.scan(body, x, stack)[0] ** 2)
+
+  want = nnx.jit(nnx.grad(plain_loss))(plain)
+  got = nnx.jit(nnx.grad(lambda m: jnp.mean(oo.offloaded_layers(m, x, 0.5) ** 2)))(streamed)
+  assert_trees_equal(jax.tree.map(np.asarray, nnx.to_pure_dict(got)), nnx.to_pure_dict(want))
+  assert all(g.sharding.memory_kind == "pinned_host" for g in jax.tree.leaves(got))
+
+
 STACK = {"w": jax.random.normal(jax.random.key(0), (3, 16, 16)), "b": jnp.ones((3, 16))}
 X0 = jax.random.normal(jax.random.key(1), (4, 16))
 

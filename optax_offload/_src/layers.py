@@ -308,3 +308,42 @@ def offloaded_scan(
   _check_body_output(out_aval, carry)
   y_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out_aval[1])
   return _streamed(layer, y_aval, list(consts), carry, stack)
+
+
+def offloaded_layers(layers: Any, carry: Any, *args: Any, **kwargs: Any) -> Any:
+  """Applies a stacked Flax NNX module layer by layer, its params streamed from pinned host memory.
+
+  `layers` is one module whose params have a leading layer axis (as `nnx.vmap` builds a stack of
+  layers), placed in pinned host memory (`to_pinned_host` of its state, or of the module). Each
+  layer computes ``carry = layer(carry, *args, **kwargs)``, through `offloaded_scan`. The layers'
+  other state (dropout RNGs, batch statistics) is not threaded through: pure layers only.
+
+  Args:
+    layers: the stacked module.
+    carry: the input of the first layer, e.g. the hidden states.
+    *args: further inputs of every layer (e.g. an attention mask), closed over.
+    **kwargs: keyword inputs of every layer.
+
+  Returns:
+    The last layer's output.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_offload as oo
+    >>> from flax import nnx
+    >>> @nnx.vmap(in_axes=0, out_axes=0)
+    ... def make(key):
+    ...   return nnx.Linear(4, 4, rngs=nnx.Rngs(key))
+    >>> stack = make(jax.random.split(jax.random.key(0), 3))   # 3 layers
+    >>> nnx.update(stack, oo.to_pinned_host(nnx.state(stack)))
+    >>> grads = nnx.grad(lambda m: oo.offloaded_layers(m, jnp.ones((2, 4))).sum())(stack)
+    >>> grads["kernel"][...].shape, grads["kernel"][...].sharding.memory_kind
+    ((3, 4, 4), 'pinned_host')
+  """
+  from flax import nnx  # Flax is needed only here
+
+  graphdef, stack = nnx.split(layers)
+
+  def body(x, w):
+    return nnx.merge(graphdef, w)(x, *args, **kwargs), None
+
+  return offloaded_scan(body, carry, stack)[0]
