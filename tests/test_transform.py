@@ -484,7 +484,8 @@ def test_params_and_grads_in_host_memory_stream_with_the_state(name, make, dtype
   params = {
     "layers": jnp.asarray(rng.normal(size=(8, 64, 128)) * 0.1, param_dtype),
     "head": jnp.asarray(rng.normal(size=(64, 32)) * 0.1, param_dtype),
-    "scale": jnp.asarray(rng.normal(size=(3, 64)) * 0.1, param_dtype),  # < min_size: state on device
+    # Under min_size: its state stays on the device.
+    "scale": jnp.asarray(rng.normal(size=(3, 64)) * 0.1, param_dtype),
   }
   host = {"['layers']", "['scale']"}
 
