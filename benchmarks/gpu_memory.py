@@ -54,18 +54,13 @@ VARIANTS = ("plain_fp32", "plain_bf16", "offload_state", "offload_all")
 OPTIONAL = ("offload_host",)
 """``offload_host``: as ``offload_state`` with ``update_on="host"`` (the update runs on the CPU)."""
 GiB = 1 << 30
-_MESH = jax.sharding.Mesh(jax.devices("cpu")[:1], ("d",))
-_DEVICE = jax.sharding.NamedSharding(_MESH, jax.sharding.PartitionSpec())
-_HOST = jax.sharding.NamedSharding(_MESH, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
 _MEMORY = {"h100_80gb": 84978434048, "h100_24gb": 24 * GiB}
 
 
 def offload_params(cfg: llama.Config, variant: str) -> dict:
   """bf16 params on the device; with ``offload_all`` the layer stack in pinned host memory."""
-  params = llama.abstract_params(cfg, jnp.bfloat16, sharding=_DEVICE)
-  if variant == "offload_all":
-    params["layers"] = llama.abstract_params(cfg, jnp.bfloat16, sharding=_HOST)["layers"]
-  return params
+  stack = llama.HOST if variant == "offload_all" else None
+  return llama.abstract_params(cfg, jnp.bfloat16, sharding=llama.DEVICE, stack_sharding=stack)
 
 
 def compile_step(cfg: llama.Config, variant: str, target: str, window: int | None, seq: int = 2048):

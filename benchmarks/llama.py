@@ -16,6 +16,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+_MESH = jax.sharding.Mesh(jax.devices("cpu")[:1], ("d",))
+DEVICE = jax.sharding.NamedSharding(_MESH, jax.sharding.PartitionSpec())
+"""One device's memory, as a NamedSharding (what abstract inputs need to keep a memory kind)."""
+HOST = DEVICE.with_memory_kind("pinned_host")
+"""The same device's pinned host memory."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -46,25 +52,30 @@ CONFIGS = {
 }
 
 
-def abstract_params(cfg: Config, dtype=jnp.bfloat16, sharding=None) -> dict:
-  """The params as `jax.ShapeDtypeStruct`s (nothing allocated)."""
+def abstract_params(cfg: Config, dtype=jnp.bfloat16, sharding=None, stack_sharding=None) -> dict:
+  """The params as `jax.ShapeDtypeStruct`s (nothing allocated); the layer stack's leaves take
+  `stack_sharding` when given (e.g. one in pinned host memory), the others `sharding`."""
   L, d, f, v = cfg.layers, cfg.d, cfg.ffn, cfg.vocab
 
   def s(*shape):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
+  def layer(*shape):
+    placed = sharding if stack_sharding is None else stack_sharding
+    return jax.ShapeDtypeStruct((L, *shape), dtype, sharding=placed)
+
   return {
     "embed": s(v, d),
     "layers": {
-      "attn_norm": s(L, d),
-      "wq": s(L, d, d),
-      "wk": s(L, d, d),
-      "wv": s(L, d, d),
-      "wo": s(L, d, d),
-      "mlp_norm": s(L, d),
-      "w_gate": s(L, d, f),
-      "w_up": s(L, d, f),
-      "w_down": s(L, f, d),
+      "attn_norm": layer(d),
+      "wq": layer(d, d),
+      "wk": layer(d, d),
+      "wv": layer(d, d),
+      "wo": layer(d, d),
+      "mlp_norm": layer(d),
+      "w_gate": layer(d, f),
+      "w_up": layer(d, f),
+      "w_down": layer(f, d),
     },
     "final_norm": s(d),
     "head": s(d, v),

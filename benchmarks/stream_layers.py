@@ -31,9 +31,6 @@ from benchmarks._common import write_json  # noqa: E402
 
 GiB = 1 << 30
 VARIANTS = ("plain", "stream")
-_MESH = jax.sharding.Mesh(jax.devices("cpu")[:1], ("d",))
-_DEVICE = jax.sharding.NamedSharding(_MESH, jax.sharding.PartitionSpec())
-_HOST = jax.sharding.NamedSharding(_MESH, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
 
 
 def streamed_loss_fn(cfg: llama.Config, params: dict, tokens: jax.Array) -> jax.Array:
@@ -48,17 +45,15 @@ def streamed_loss_fn(cfg: llama.Config, params: dict, tokens: jax.Array) -> jax.
 
 def compile_variant(cfg: llama.Config, variant: str, target: str, seq: int) -> oo.GpuProgram:
   """value_and_grad of the decoder's loss in `variant`, compiled for `target`."""
-  params = llama.abstract_params(cfg, jnp.bfloat16, sharding=_DEVICE)
-  tokens = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32, sharding=_DEVICE)
-  if variant == "plain":
-    loss, options = llama.loss_fn, None
-  elif variant == "stream":
-    params["layers"] = jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_HOST), params["layers"]
-    )
-    loss, options = streamed_loss_fn, oo.STREAM_XLA_OPTIONS
-  else:
+  if variant not in VARIANTS:
     raise ValueError(f"unknown variant {variant!r}: one of {VARIANTS}")
+  stream = variant == "stream"
+  params = llama.abstract_params(
+    cfg, jnp.bfloat16, sharding=llama.DEVICE, stack_sharding=llama.HOST if stream else None
+  )
+  tokens = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32, sharding=llama.DEVICE)
+  loss = streamed_loss_fn if stream else llama.loss_fn
+  options = oo.STREAM_XLA_OPTIONS if stream else None
 
   def step(params, tokens):
     return jax.value_and_grad(lambda p: loss(cfg, p, tokens))(params)

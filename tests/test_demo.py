@@ -5,8 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 try:
   import optax_offload
 
@@ -44,7 +42,6 @@ def test_demo_trains_and_matches_plain_optax(tmp_path):
     assert offloaded["device"] < plain["device"]
 
 
-@pytest.mark.skipif(not HAS_OFFLOAD, reason="needs optax_offload")
 def test_demo_streams_the_block_stack_and_matches_plain_optax(tmp_path):
   # --stream-layers: the blocks' weights stacked in pinned host memory and streamed through
   # oo.offloaded_scan; two layers (the last --layers wins), so the scan runs more than once.

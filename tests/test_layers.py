@@ -21,9 +21,7 @@ from benchmarks import llama
 from benchmarks.stream_layers import streamed_loss_fn
 
 MiB = 1 << 20
-MESH = jax.sharding.Mesh(jax.devices("cpu")[:1], ("d",))
-ON_HOST = jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
-ON_DEVICE = jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec())
+ON_HOST, ON_DEVICE = llama.HOST, llama.DEVICE
 
 
 def decoder(layers: int, dtype):

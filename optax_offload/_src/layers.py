@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_offload._src import _compat
+from optax_offload._src import stream
 
 WEIGHT_LAYERS_ON_DEVICE = 3
 """Layers of weights on the device at once (as compiled: the pair computing and the next fetched)."""
@@ -119,7 +120,7 @@ def _check_on_host(stack) -> None:
   bad = [
     jax.tree_util.keystr(p) or "stack"
     for p, a in jax.tree_util.tree_leaves_with_path(stack)
-    if jax.typeof(a).memory_space != _HOST
+    if not stream.in_host(a)
   ]
   if bad:
     raise ValueError(

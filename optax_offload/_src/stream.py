@@ -144,8 +144,14 @@ def _inner_update(inner):
   return call
 
 
-def _in_host(x: Any) -> bool:
+def in_host(x: Any) -> bool:
+  """Whether a (traced) array's type says it lives in host memory."""
   return getattr(jax.typeof(x), "memory_space", None) == HOST
+
+
+def _applied(p: jax.Array, u: jax.Array) -> jax.Array:
+  """``optax.apply_updates`` of one leaf (or slice of it): ``p + u`` in the param's dtype."""
+  return jnp.asarray(p + u).astype(jnp.result_type(p))
 
 
 def _to(x: Any, space) -> Any:
@@ -184,7 +190,7 @@ class _Run:
     arrays ``(leaf, PARAM)`` and ``(leaf, GRAD)``; the new params go back to host memory."""
     for i, g in enumerate(self.grads):
       extra = []
-      if self.params is not None and _in_host(self.params[i]):
+      if self.params is not None and in_host(self.params[i]):
         if not self.apply:
           raise ValueError(
             "offload: params in host memory need oo.update_and_apply (the updates are applied "
@@ -192,7 +198,7 @@ class _Run:
           )
         self.arrays[(i, PARAM)] = self.params[i]
         extra.append(PARAM)
-      if g is not None and _in_host(g):
+      if g is not None and in_host(g):
         self.arrays[(i, GRAD)] = g
         extra.append(GRAD)
       if extra:
@@ -261,7 +267,7 @@ class _Run:
   def put_update(self, i: int, u: jax.Array, box: Box, whole: bool) -> None:
     if self.apply:  # optax.apply_updates, on the chunk
       p = self.params[i] if whole else _take(self.param_source(i), box, len(box))
-      u = jnp.asarray(p + u).astype(jnp.result_type(p))
+      u = _applied(p, u)
     if whole:
       self.updates[i] = u
       return
@@ -351,7 +357,7 @@ class _Run:
         elif q == 0:
           bufs[(n, j)] = new
       if (n, PARAM) in bufs:  # params in host memory: the chunk's new params, in the group's buffer
-        new_p = jnp.asarray(params[i] + updates[i]).astype(jnp.result_type(params[i]))
+        new_p = _applied(params[i], updates[i])
         bufs[(n, PARAM)] = _write(bufs[(n, PARAM)], new_p, _local(box, start), len(box))
       else:
         self.put_update(i, updates[i], box, full)
@@ -410,7 +416,7 @@ def run(
   )
   if placement != "host":
     r.stream_host_params()
-  elif apply and any(p is not None and _in_host(p) for p in params):
+  elif apply and any(p is not None and in_host(p) for p in params):
     raise NotImplementedError(
       "offload: update_on='host' with params in host memory is not supported yet; use "
       "update_on='device', which streams them through the window with the state."
