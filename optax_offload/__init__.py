@@ -20,9 +20,9 @@ from optax_offload._src.grads import value_and_grad_to_host
 from optax_offload._src.layers import STREAM_XLA_OPTIONS
 from optax_offload._src.layers import offloaded_layers
 from optax_offload._src.layers import offloaded_scan
-from optax_offload._src.layers import to_pinned_host
 from optax_offload._src.measure import Bandwidths
 from optax_offload._src.measure import measure_bandwidths
+from optax_offload._src.memory import to_pinned_host
 from optax_offload._src.nvme import NvmeCorruptionError
 from optax_offload._src.nvme import NvmeError
 from optax_offload._src.nvme import NvmeOptions

@@ -32,7 +32,7 @@ PRIMITIVES`, host_compute)            (``closed_call_p`` is an alias of ``eval_j
                                       ``jit``, ``custom_jvp_call``, ``custom_vjp_call`` same
                                       (body: first Jaxpr-typed param, ``jaxpr``/``call_jaxpr``).
 jax.core.Tracer (`Tracer`, state,     Public, same.
-transform, stream)
+transform, stream, memory)
 jax.memory.Space                      Public, same (``core.MemorySpace``: Device, Host, Any).
 jax.device_put(x, Space) in jit       Public, same (api.device_put accepts ``core.MemorySpace``).
 jax.shard_map (nvme_tier)             Public, same: ``shard_map(f=None, /, *, out_specs,
@@ -86,6 +86,8 @@ from jax.experimental.compute_on import compute_on as _compute_on
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Literal
 from optax.tree_utils._state_utils import _ParamsPlaceholder as ParamsPlaceholder
+
+from optax_offload._src import memory
 
 try:  # optax 0.2.x keeps the message of its "params are required" error in `optax._src.base`.
   from optax._src.base import NO_PARAMS_MSG
@@ -186,15 +188,14 @@ def _host_decorated(decorator: Callable[..., Any], fn: Callable[..., Any]) -> Ca
   produced, hence the explicit move of device-typed outputs. Not run on jax 0.12 (Python 3.11
   here); jax 0.10.2's ``compute_on2`` has the same signature and runs this code.
   """
-  host = jax.memory.Space.Host
 
   def to_host(x: Any) -> Any:
-    return x if getattr(jax.typeof(x), "memory_space", None) == host else jax.device_put(x, host)
+    return x if memory.in_host(x) else jax.device_put(x, memory.HOST)
 
   def fn_on_host(*args: Any) -> Any:
     return jax.tree.map(to_host, fn(*args))
 
-  return decorator(fn_on_host, compute_type="device_host", out_memory_spaces=host)
+  return decorator(fn_on_host, compute_type="device_host", out_memory_spaces=memory.HOST)
 
 
 def check_gpu_compile_support() -> None:

@@ -63,6 +63,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from optax_offload._src import layout as layout_lib
+from optax_offload._src import memory
 from optax_offload._src import nvme
 from optax_offload._src import nvme_tier
 from optax_offload._src.transform import OffloadState
@@ -715,8 +716,8 @@ def _in_memory_space_of(x: Any, like: Any) -> Any:
   """
   if not isinstance(x, jax.Array) or not isinstance(like, jax.Array):
     return x
-  space = jax.typeof(like).memory_space
-  if jax.typeof(x).memory_space == space:
+  space = memory.space_of(like)
+  if memory.space_of(x) == space:
     return x
   y = jax.device_put(x, space)
   x.delete()  # one leaf at a time: at most one extra copy

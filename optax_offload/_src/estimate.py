@@ -27,9 +27,9 @@ import optax
 
 from optax_offload._src import layers as layers_lib
 from optax_offload._src import layout as layout_lib
+from optax_offload._src import memory
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
-from optax_offload._src import setup as setup_lib
 from optax_offload._src.measure import Bandwidths
 from optax_offload._src.measure import free_disk
 from optax_offload._src.units import check_options
@@ -327,7 +327,7 @@ def _param_tree(params: Any) -> Any:
 
 def _in_pinned_host(x: Any) -> bool:
   """Whether a param leaf (array or `jax.ShapeDtypeStruct`) is placed in pinned host memory."""
-  return setup_lib.in_pinned_host(getattr(x, "sharding", None))
+  return memory.is_pinned_host(getattr(x, "sharding", None))
 
 
 def _nbytes(x: Any) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-HOST = jax.memory.Space.Host
+from optax_offload._src.memory import HOST
 
 
 @jax.custom_vjp

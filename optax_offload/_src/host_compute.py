@@ -18,16 +18,8 @@ from typing import Any
 import jax
 
 from optax_offload._src import _compat
-
-HOST = jax.memory.Space.Host
-
-
-def _space(x: Any):
-  return (
-    getattr(jax.typeof(x), "memory_space", None)
-    if isinstance(x, jax.Array | _compat.Tracer)
-    else None
-  )
+from optax_offload._src.memory import HOST
+from optax_offload._src.memory import space_of
 
 
 def _replay(closed: _compat.ClosedJaxpr, *args: Any) -> list[Any]:
@@ -49,9 +41,9 @@ def _replay(closed: _compat.ClosedJaxpr, *args: Any) -> list[Any]:
     if body is not None:
       outvals = _replay(body, *invals)
     else:
-      spaces = {_space(x) for x in invals} - {None}
+      spaces = {space_of(x) for x in invals} - {None}
       if HOST in spaces and len(spaces) > 1:
-        invals = [jax.device_put(x, HOST) if _space(x) not in (None, HOST) else x for x in invals]
+        invals = [jax.device_put(x, HOST) if space_of(x) not in (None, HOST) else x for x in invals]
       params = eqn.primitive.get_bind_params(eqn.params)
       outvals = eqn.primitive.bind(*invals, **params)
       if not eqn.primitive.multiple_results:

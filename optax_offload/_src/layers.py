@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_offload._src import _compat
-from optax_offload._src import stream
+from optax_offload._src import memory
+from optax_offload._src.memory import DEVICE
+from optax_offload._src.memory import HOST
 
 WEIGHT_LAYERS_ON_DEVICE = 3
 """Layers of weights on the device at once (as compiled: the pair computing and the next fetched)."""
@@ -53,8 +54,6 @@ Pass them per executable, e.g. ``jax.jit(step).lower(*args).compile(compiler_opt
 ``oo.compile_for_gpu(step, *args, xla_flags=oo.STREAM_XLA_OPTIONS)``.
 """
 
-_DEVICE = jax.memory.Space.Device
-_HOST = jax.memory.Space.Host
 _HOST_HOWTO = (
   "put the stack there first: jax.device_put(stack, NamedSharding(mesh, P(), "
   "memory_kind='pinned_host')) or oo.to_pinned_host(stack) (inside jit: "
@@ -66,7 +65,7 @@ _HOST_HOWTO = (
 def _fetch(stack, i):
   """Layer `i` of the host stack in device memory (an async host->device slice)."""
   return jax.tree.map(
-    lambda a: jax.device_put(lax.dynamic_index_in_dim(a, i, keepdims=False), _DEVICE), stack
+    lambda a: jax.device_put(lax.dynamic_index_in_dim(a, i, keepdims=False), DEVICE), stack
   )
 
 
@@ -79,7 +78,7 @@ def _write(buf, i, tree, rows):
   """buf[i:i+rows] = tree in host memory (an async device->host write); `rows` 1 adds the axis."""
 
   def put(b, t):
-    t = jax.device_put(t if rows > 1 else t[None], _HOST)
+    t = jax.device_put(t if rows > 1 else t[None], HOST)
     return lax.dynamic_update_slice_in_dim(b, t, i, 0)
 
   return jax.tree.map(put, buf, tree)
@@ -120,7 +119,7 @@ def _check_on_host(stack) -> None:
   bad = [
     jax.tree_util.keystr(p) or "stack"
     for p, a in jax.tree_util.tree_leaves_with_path(stack)
-    if not stream.in_host(a)
+    if not memory.in_host(a)
   ]
   if bad:
     raise ValueError(
@@ -129,34 +128,13 @@ def _check_on_host(stack) -> None:
     )
 
 
-def to_pinned_host(tree: Any) -> Any:
-  """Places every leaf of `tree` in pinned host memory, keeping its sharding otherwise.
-
-  Arrays go to ``x.sharding.with_memory_kind("pinned_host")``; inside `jax.jit`, leaves are moved
-  with ``jax.device_put(x, jax.memory.Space.Host)``.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax_offload as oo
-    >>> stack = oo.to_pinned_host({"w": jnp.ones((4, 8, 8))})
-    >>> stack["w"].sharding.memory_kind
-    'pinned_host'
-  """
-
-  def put(x):
-    if isinstance(x, _compat.Tracer) or not hasattr(x, "sharding"):
-      return jax.device_put(x, _HOST)
-    return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
-
-  return jax.tree.map(put, tree)
-
-
 def _empty_host(stack):
   """Uninitialised host buffers shaped like `stack`, as `lax.scan` makes its stacked outputs.
 
   XLA:GPU allocates them in host memory; ``jnp.zeros`` instead builds the zeros on the device and
   copies them (measured: a device temporary the size of the stack).
   """
-  return jax.tree.map(lambda a: jax.device_put(lax.empty(a.shape, a.dtype), _HOST), stack)
+  return jax.tree.map(lambda a: jax.device_put(lax.empty(a.shape, a.dtype), HOST), stack)
 
 
 def _forward(body, consts, carry, stack, y_aval, *, save):

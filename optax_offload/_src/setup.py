@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from optax_offload._src import layout as layout_lib
+from optax_offload._src import memory
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
@@ -77,14 +78,9 @@ def _state_bytes(part: Any, shape: tuple[int, ...], sharding: Any) -> int:
   return total
 
 
-def in_pinned_host(sharding: Any) -> bool:
-  """Whether a param placed with `sharding` lives in pinned host memory (weights offloaded too)."""
-  return getattr(sharding, "memory_kind", None) == "pinned_host"
-
-
 def _moving_bytes(aval: Any, sharding: Any) -> int:
   """Bytes a param and its gradient add to the window when they live in host memory."""
-  if not in_pinned_host(sharding):
+  if not memory.is_pinned_host(sharding):
     return 0
   return 2 * _state_bytes(aval, aval.shape, sharding)
 

@@ -7,10 +7,9 @@ from typing import Any
 import jax
 
 from optax_offload._src import master as master_lib
+from optax_offload._src import memory
 from optax_offload._src import nvme_tier
 from optax_offload._src.transform import OffloadState
-
-_HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
 def _is_offload_state(x: Any) -> bool:
@@ -46,7 +45,7 @@ def footprint(state: Any) -> dict[str, int]:
     if not isinstance(leaf, jax.Array):
       continue
     nbytes = sum(shard.data.nbytes for shard in leaf.addressable_shards)
-    totals["host" if leaf.sharding.memory_kind in _HOST_KINDS else "device"] += nbytes
+    totals["host" if memory.kind_is_host(leaf.sharding) else "device"] += nbytes
   for s in _offload_states(state):
     if int(s.nvme_store) >= 0:
       totals["nvme"] += nvme_tier.lookup(s.nvme_store).bytes()
@@ -88,7 +87,7 @@ def tiers(state: Any) -> Any:
       raise TypeError("tiers needs a concrete state; call it outside jax.jit.")
     if not isinstance(x, jax.Array):
       return x
-    return "host" if x.sharding.memory_kind in _HOST_KINDS else "device"
+    return "host" if memory.kind_is_host(x.sharding) else "device"
 
   def of_state(s: OffloadState) -> OffloadState:
     named = jax.tree.map(of_array, s)

@@ -47,11 +47,11 @@ from jax import lax
 
 from optax_offload._src import _compat
 from optax_offload._src import host_compute
+from optax_offload._src import memory
+from optax_offload._src.memory import DEVICE
+from optax_offload._src.memory import HOST
 from optax_offload._src.plan import Piece
 from optax_offload._src.plan import Tier
-
-HOST = jax.memory.Space.Host
-DEVICE = jax.memory.Space.Device
 
 Key = tuple[int, int]
 """(leaf index, index of the array in the leaf's flattened state part, or `PARAM` / `GRAD`)."""
@@ -144,18 +144,9 @@ def _inner_update(inner):
   return call
 
 
-def in_host(x: Any) -> bool:
-  """Whether a (traced) array's type says it lives in host memory."""
-  return getattr(jax.typeof(x), "memory_space", None) == HOST
-
-
 def _applied(p: jax.Array, u: jax.Array) -> jax.Array:
   """``optax.apply_updates`` of one leaf (or slice of it): ``p + u`` in the param's dtype."""
   return jnp.asarray(p + u).astype(jnp.result_type(p))
-
-
-def _to(x: Any, space) -> Any:
-  return jax.tree.map(lambda a: jax.device_put(a, space), x)
 
 
 class _Run:
@@ -190,7 +181,7 @@ class _Run:
     arrays ``(leaf, PARAM)`` and ``(leaf, GRAD)``; the new params go back to host memory."""
     for i, g in enumerate(self.grads):
       extra = []
-      if self.params is not None and in_host(self.params[i]):
+      if self.params is not None and memory.in_host(self.params[i]):
         if not self.apply:
           raise ValueError(
             "offload: params in host memory need oo.update_and_apply (the updates are applied "
@@ -198,7 +189,7 @@ class _Run:
           )
         self.arrays[(i, PARAM)] = self.params[i]
         extra.append(PARAM)
-      if g is not None and in_host(g):
+      if g is not None and memory.in_host(g):
         self.arrays[(i, GRAD)] = g
         extra.append(GRAD)
       if extra:
@@ -220,7 +211,7 @@ class _Run:
           x = self.arrays[(i, j)]
           if not piece.whole and (j in (PARAM, GRAD) or self.spec.dims[i][j]):
             x = _slice(x, start, stop)
-        bufs[(n, j)] = x if space is None else _to(x, space)
+        bufs[(n, j)] = x if space is None else memory.to_space(x, space)
     return bufs
 
   def send(self, k: int, bufs, space) -> dict[int, Any]:
@@ -234,14 +225,14 @@ class _Run:
       for j in self.spec.offloaded(i) + ([PARAM] if PARAM in self.moving.get(i, []) else []):
         x = bufs[(n, j)]
         if j == PARAM:
-          x = x if space is None else _to(x, space)
+          x = x if space is None else memory.to_space(x, space)
           x = x if piece.whole else _put_rows(self.arrays[(i, j)], x, piece.start)
           self.arrays[(i, j)] = self.updates[i] = x
           continue
         if self.spec.array_tiers[i][j] is Tier.NVME:
           nvme_parts.setdefault(i, [None] * len(self.spec.array_tiers[i]))[j] = x
           continue
-        x = x if space is None else _to(x, space)
+        x = x if space is None else memory.to_space(x, space)
         if not piece.whole and self.spec.dims[i][j]:
           x = _put_rows(self.arrays[(i, j)], x, piece.start)
         self.arrays[(i, j)] = x
@@ -416,7 +407,7 @@ def run(
   )
   if placement != "host":
     r.stream_host_params()
-  elif apply and any(p is not None and in_host(p) for p in params):
+  elif apply and any(p is not None and memory.in_host(p) for p in params):
     raise NotImplementedError(
       "offload: update_on='host' with params in host memory is not supported yet; use "
       "update_on='device', which streams them through the window with the state."
@@ -438,7 +429,7 @@ def run(
   ]
   new_shared = r.new_shared if r.new_shared is not None else shared
   if placement != "none":
-    new_shared = _to(new_shared, DEVICE)
+    new_shared = memory.to_space(new_shared, DEVICE)
   return [r.updates[i] for i in range(layout.num_leaves)], new_shared, per_leaf, new_generation
 
 
@@ -546,10 +537,10 @@ def _run_on_host(r: _Run, nvme, token):
       # Gradients, params and updates cross as flat arrays: a 2-D array's device layout (a
       # transposed one, from a matmul's backward) need not match what XLA:GPU's host call expects,
       # and its layout assignment fails ("async shape ... to match"); a 1-D array has one layout.
-      local_grads[i] = _to(_slice(r.grads[i], start, stop).reshape(-1), HOST)
+      local_grads[i] = memory.to_space(_slice(r.grads[i], start, stop).reshape(-1), HOST)
       shapes[i] = _slice(r.grads[i], start, stop).shape
       if r.params is not None:
-        local_params[i] = _to(_slice(r.params[i], start, stop).reshape(-1), HOST)
+        local_params[i] = memory.to_space(_slice(r.params[i], start, stop).reshape(-1), HOST)
       for j, tier in enumerate(spec.array_tiers[i]):
         if tier is Tier.NVME:  # the store hands over the piece's rows
           x = fetched[(i, j)]
@@ -560,8 +551,8 @@ def _run_on_host(r: _Run, nvme, token):
               in_place[(i, j)] = (start, stop)
             else:
               x = _slice(x, start, stop)
-        local_arrays[(i, j)] = x if tier is Tier.HOST else _to(x, HOST)
-    shared = _to(r.shared_in, HOST)
+        local_arrays[(i, j)] = x if tier is Tier.HOST else memory.to_space(x, HOST)
+    shared = memory.to_space(r.shared_in, HOST)
 
     def group_update(grads, params, arrays, shared, *, k, unit, in_place, shapes):
       grads = {i: g.reshape(shapes[i]) for i, g in grads.items()}
@@ -614,7 +605,7 @@ def _run_on_host(r: _Run, nvme, token):
     for piece in unit:
       i = piece.leaf
       start, stop = r.piece_rows(piece)
-      u = _to(updates[i], DEVICE).reshape(shapes[i])
+      u = memory.to_space(updates[i], DEVICE).reshape(shapes[i])
       r.put_update(i, u, ((start, stop),), piece.whole)
       for j, tier in enumerate(spec.array_tiers[i]):
         x = arrays[(i, j)]
@@ -623,9 +614,9 @@ def _run_on_host(r: _Run, nvme, token):
           continue
         if tier is Tier.DEVICE:
           x = (
-            _put_rows(r.arrays[(i, j)], _to(x, DEVICE), start)
+            _put_rows(r.arrays[(i, j)], memory.to_space(x, DEVICE), start)
             if not piece.whole
-            else _to(x, DEVICE)
+            else memory.to_space(x, DEVICE)
           )
         r.arrays[(i, j)] = x
     if nvme_parts:

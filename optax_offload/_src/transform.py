@@ -21,6 +21,7 @@ import optax
 from optax_offload._src import _compat
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
+from optax_offload._src import memory
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import setup as setup_lib
@@ -28,9 +29,6 @@ from optax_offload._src import stream
 from optax_offload._src import units
 
 logger = logging.getLogger(__name__)
-
-HOST = jax.memory.Space.Host
-DEVICE = jax.memory.Space.Device
 
 
 class OffloadState(NamedTuple):
@@ -491,9 +489,9 @@ def _split_checked(setup: setup_lib.Setup, layout, inner_state, paths):
         "same shapes as the params given to tx.init."
       )
     for x, tier in zip(got_arrays, tiers):
-      if tier is plan_lib.Tier.HOST and _memory_space(x) is not HOST:
+      if tier is plan_lib.Tier.HOST and not memory.in_host(x):
         raise ValueError(
-          f"offload: the optimizer state of leaf {path} is typed as {_memory_space(x)} memory, but "
+          f"offload: the optimizer state of leaf {path} is typed as {memory.space_of(x)} memory, but "
           "offload keeps it in pinned host memory: the state lost its placement. jax.eval_shape "
           "returns no memory kinds, and in jax 0.10 a jax.ShapeDtypeStruct carries its memory kind "
           "into tracing only with a NamedSharding (not with the SingleDeviceSharding of a "
@@ -501,10 +499,6 @@ def _split_checked(setup: setup_lib.Setup, layout, inner_state, paths):
           "abstract (ahead-of-time) tracing, or params on a jax.sharding.Mesh."
         )
   return shared, per_leaf
-
-
-def _memory_space(x: Any):
-  return getattr(jax.typeof(x), "memory_space", None)
 
 
 def _init_nvme(inner, setup: setup_lib.Setup, generation: int, build_params, concrete) -> None:
@@ -552,11 +546,11 @@ def _place_array(tier: plan_lib.Tier, j: int, x: jax.Array) -> jax.Array:
   """Where a state array rests between steps."""
   del j
   if tier is plan_lib.Tier.HOST:
-    return jax.device_put(x, HOST)
+    return jax.device_put(x, memory.HOST)
   if tier is plan_lib.Tier.NVME:
     return nvme_tier.placeholder(x)
-  if getattr(jax.typeof(x), "memory_space", None) == HOST:
+  if memory.in_host(x):
     # Built from params in host memory (a master copy): its abstract value must say "device" too,
     # not only out_shardings (jax 0.10 keeps the traced memory space in the array's type).
-    return jax.device_put(x, DEVICE)
+    return jax.device_put(x, memory.DEVICE)
   return x

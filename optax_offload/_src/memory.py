@@ -1,0 +1,77 @@
+"""Memory spaces: whether an array lives in device memory or in pinned host memory.
+
+JAX says it twice. A concrete array's sharding has a *memory kind* (``"device"``,
+``"pinned_host"``); every array, traced or concrete, has a *memory space* in its type
+(``jax.typeof(x).memory_space``: `DEVICE` or `HOST`), which is what tracing sees and what an op
+checks when it mixes operands (jax 0.10). The two can disagree: Orbax restores arrays with a
+``pinned_host`` sharding and a device-typed type, and a `jax.ShapeDtypeStruct` with a
+SingleDeviceSharding in pinned host memory traces as device memory. So traced code asks the type
+(`space_of`, `in_host`) and placement code asks the sharding (`is_pinned_host`, `kind_is_host`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+HOST = jax.memory.Space.Host
+DEVICE = jax.memory.Space.Device
+
+HOST_KINDS = ("pinned_host", "unpinned_host")
+"""Memory kinds of host memory (the GPU client offers only ``pinned_host``; the CPU client both)."""
+
+
+def space_of(x: Any) -> jax.memory.Space | None:
+  """The memory space in the type of a JAX array, traced or concrete; None for anything else.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> space_of(jnp.ones(2)), space_of(jax.device_put(jnp.ones(2), HOST)), space_of(1.0)
+    (MemorySpace.Device, MemorySpace.Host, None)
+  """
+  if not isinstance(x, jax.Array):  # tracers are jax.Arrays too
+    return None
+  return getattr(jax.typeof(x), "memory_space", None)
+
+
+def in_host(x: Any) -> bool:
+  """Whether a (traced or concrete) array's type says it lives in host memory."""
+  return space_of(x) == HOST
+
+
+def is_pinned_host(sharding: Any) -> bool:
+  """Whether an array placed with `sharding` lives in pinned host memory (None: no sharding)."""
+  return getattr(sharding, "memory_kind", None) == "pinned_host"
+
+
+def kind_is_host(sharding: Any) -> bool:
+  """Whether a concrete array's sharding puts it in host memory, pinned or not."""
+  return getattr(sharding, "memory_kind", None) in HOST_KINDS
+
+
+def to_space(tree: Any, space: jax.memory.Space) -> Any:
+  """Every array of `tree` moved to `space` (inside `jax.jit`: a copy between memories)."""
+  return jax.tree.map(lambda a: jax.device_put(a, space), tree)
+
+
+def to_pinned_host(tree: Any) -> Any:
+  """Places every leaf of `tree` in pinned host memory, keeping its sharding otherwise.
+
+  Arrays go to ``x.sharding.with_memory_kind("pinned_host")``; inside `jax.jit`, leaves are moved
+  with ``jax.device_put(x, jax.memory.Space.Host)``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_offload as oo
+    >>> stack = oo.to_pinned_host({"w": jnp.ones((4, 8, 8))})
+    >>> stack["w"].sharding.memory_kind
+    'pinned_host'
+  """
+
+  def put(x):
+    # jax.core.Tracer is public (see _compat's table); this module imports nothing of ours.
+    if isinstance(x, jax.core.Tracer) or not hasattr(x, "sharding"):
+      return jax.device_put(x, HOST)
+    return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+
+  return jax.tree.map(put, tree)
