@@ -438,7 +438,7 @@ def test_a_stacked_leaf_is_streamed_in_row_slices(name, make, exact, caplog):
   layer = jax.eval_shape(make().init, {"layers": jnp.zeros((1, 256, 256))})
   layer_state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer) if x.size >= 256)
   tx = oo.offload(make(), window_bytes=int(2.25 * 2 * layer_state), min_size=256)
-  with caplog.at_level("INFO", logger="optax_offload._src.transform"):
+  with caplog.at_level("INFO", logger="optax_offload._src.offload"):
     tx.init(params)
   assert caplog.text.count("['layers'][") >= 3, caplog.text  # planned in row slices of layers
   ref_params, ref_state = train(make(), params, 10)
@@ -523,6 +523,6 @@ def test_params_in_host_memory_need_update_and_apply():
 def test_many_groups_warn_about_compile_time(caplog):
   params = {"layers": jnp.zeros((100, 64, 64))}  # 100 layers, a window of about one layer's state
   tx = oo.offload(optax.sgd(1e-2, momentum=0.9), window_bytes=int(2.25 * 64 * 64 * 4), min_size=256)
-  with caplog.at_level("WARNING", logger="optax_offload._src.transform"):
+  with caplog.at_level("WARNING", logger="optax_offload._src.offload"):
     tx.init(params)
   assert "100 groups" in caplog.text and "raise window_bytes" in caplog.text

@@ -31,15 +31,15 @@ call-primitive names (`CALL_          ``closed_call`` up to 0.11.0, ``eval_jaxpr
 PRIMITIVES`, host_compute)            (``closed_call_p`` is an alias of ``eval_jaxpr_p``);
                                       ``jit``, ``custom_jvp_call``, ``custom_vjp_call`` same
                                       (body: first Jaxpr-typed param, ``jaxpr``/``call_jaxpr``).
-jax.core.Tracer (`Tracer`, state,     Public, same.
-transform, stream, memory)
+jax.core.Tracer (`Tracer`: stream;    Public, same.
+memory, offload, inspection)
 jax.memory.Space                      Public, same (``core.MemorySpace``: Device, Host, Any).
 jax.device_put(x, Space) in jit       Public, same (api.device_put accepts ``core.MemorySpace``).
-jax.shard_map (nvme_tier)             Public, same: ``shard_map(f=None, /, *, out_specs,
+jax.shard_map (nvme_tier.callbacks)   Public, same: ``shard_map(f=None, /, *, out_specs,
                                       in_specs=Infer, mesh=None, axis_names=frozenset(),
                                       check_vma=True)``.
 jax.experimental.io_callback          Same: ``io_callback(callback, result_shape_dtypes, *args,
-(nvme_tier)                           sharding=None, ordered=False, **kwargs)``.
+(nvme_tier.callbacks)                 sharding=None, ordered=False, **kwargs)``.
 jax._src.interpreters.mlir            Private, same: ``get_backend(self, optional: bool = False)
 .ModuleContext.get_backend            -> xc.Client | None``; 0.12's callback lowering still calls
 (`lowering_backend`)                  ``ctx.module_context.get_backend()``.
@@ -63,7 +63,25 @@ support`)                             jax's version); 0.12 also ships a cuda13 p
 optax.tree_utils._state_utils         Private; same in optax 0.2.8, the newest on PyPI.
 ._ParamsPlaceholder (layout)
 optax._src.base.NO_PARAMS_MSG         Private; same in optax 0.2.8 (fallback string below).
-(master, transform)
+(master, offload)
+====================================  ==========================================================
+
+Orbax (orbax-checkpoint 0.12.8, installed and tested), for `add_orbax_zero_size_hint` only:
+
+====================================  ==========================================================
+name                                  what is relied on
+====================================  ==========================================================
+ocp.type_handlers.get_type_handler,   Public: the handler registered for ``jax.Array``, and
+register_type_handler(..., override)  replacing it (the registry is process-global).
+ocp.type_handlers.ArrayHandler        Public class, subclassed; its async ``serialize(values,
+.serialize                            infos, args=None)`` raises for zero-size arrays unless
+                                      ``has_dispatcher()`` (Pathways), checked the same way.
+ArrayHandler's instance attributes    Not public: the registered handler's settings (primary
+                                      host, replica id, OCDBT, dispatcher, ...) live in its
+                                      ``__dict__``, copied into the replacement so that a user's
+                                      configuration (a re-registered ArrayHandler) is kept.
+absl log "overriding" on override     Not an API: the warning Orbax logs for every override,
+                                      filtered while ours is registered.
 ====================================  ==========================================================
 
 jax >= 0.11 needs Python >= 3.12 (its wheels say ``Requires-Python: >=3.12``); the machines this
@@ -78,6 +96,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -118,6 +137,7 @@ __all__ = [
   "NO_PARAMS_MSG",
   "ParamsPlaceholder",
   "Tracer",
+  "add_orbax_zero_size_hint",
   "compute_on_host",
 ]
 
@@ -268,3 +288,51 @@ def compile_for_topology(lowered: jax.stages.Lowered, device: Any, env_overrides
     executable_devices=xla_client.DeviceList((device,)),
     compile_options=options,
   )
+
+
+class _WithoutOverrideWarning(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "overriding" not in record.getMessage()
+
+
+def add_orbax_zero_size_hint(hint: str) -> bool:
+  """Replaces Orbax's registered ``jax.Array`` handler by one whose zero-size error adds `hint`.
+
+  Orbax refuses to save zero-size arrays, naming only the leaf. The replacement is a subclass of
+  Orbax's own ``ArrayHandler`` with the registered handler's settings, which raises the same error
+  with `hint` appended and otherwise saves and restores exactly as the handler it replaces. It is
+  installed only when the registered handler is Orbax's own class (a handler a user registered with
+  another class is left alone). Process-global, as Orbax's registry is.
+
+  Args:
+    hint: text appended to the zero-size error.
+
+  Returns:
+    Whether the handler was replaced.
+  """
+  import orbax.checkpoint as ocp  # only the checkpoint module needs Orbax
+
+  current = ocp.type_handlers.get_type_handler(jax.Array)
+  if type(current) is not ocp.type_handlers.ArrayHandler:
+    return False
+
+  class ArrayHandlerWithHint(ocp.type_handlers.ArrayHandler):
+    """Orbax's ``jax.Array`` handler, whose zero-size error says how to save such a state."""
+
+    async def serialize(self, values, infos, args=None):
+      if not self.has_dispatcher():  # Orbax's own condition for its zero-size error
+        for value, info in zip(values, infos):
+          if value.size == 0:
+            raise ValueError(f"Cannot save arrays with zero size: {info.name}. {hint}")
+      return await super().serialize(values, infos, args)
+
+  handler = ArrayHandlerWithHint.__new__(ArrayHandlerWithHint)
+  handler.__dict__.update(vars(current))
+  quiet = _WithoutOverrideWarning()  # Orbax logs a warning for every override
+  absl_logger = logging.getLogger("absl")
+  absl_logger.addFilter(quiet)
+  try:
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+  finally:
+    absl_logger.removeFilter(quiet)
+  return True

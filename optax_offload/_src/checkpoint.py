@@ -62,11 +62,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from optax_offload._src import _compat
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import memory
 from optax_offload._src import nvme
 from optax_offload._src import nvme_tier
-from optax_offload._src.transform import OffloadState
+from optax_offload._src.state import OffloadState
 
 logger = logging.getLogger(__name__)
 
@@ -756,47 +757,11 @@ _ZERO_SIZE_HINT = (
 )
 
 
-class _ArrayHandler(ocp.type_handlers.ArrayHandler):
-  """Orbax's ``jax.Array`` handler, whose zero-size error says how to save an NVMe-tier state.
-
-  Orbax refuses zero-size arrays, which is what a ``StandardSave`` of an NVMe-tier `OffloadState`
-  meets first; its message names only the leaf. Nothing of ours runs in such a save, so the hint
-  goes into the handler Orbax uses for ``jax.Array``.
-  """
-
-  async def serialize(self, values, infos, args=None):
-    if not self.has_dispatcher():  # Orbax's own condition for its zero-size error
-      for value, info in zip(values, infos):
-        if value.size == 0:
-          raise ValueError(f"Cannot save arrays with zero size: {info.name}. {_ZERO_SIZE_HINT}")
-    return await super().serialize(values, infos, args)
-
-
-class _WithoutOverrideWarning(logging.Filter):
-  def filter(self, record: logging.LogRecord) -> bool:
-    return "overriding" not in record.getMessage()
-
-
-def _install_array_handler() -> None:
-  """Puts `_ArrayHandler` in Orbax's type registry, with the registered handler's settings.
-
-  Only when the registered handler is Orbax's own (not one a user configured with another class).
-  """
-  current = ocp.type_handlers.get_type_handler(jax.Array)
-  if type(current) is not ocp.type_handlers.ArrayHandler:
-    return
-  handler = _ArrayHandler.__new__(_ArrayHandler)
-  handler.__dict__.update(vars(current))
-  quiet = _WithoutOverrideWarning()  # Orbax logs a warning for every override
-  absl_logger = logging.getLogger("absl")
-  absl_logger.addFilter(quiet)
-  try:
-    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
-  finally:
-    absl_logger.removeFilter(quiet)
-
-
-_install_array_handler()
+# Orbax's own zero-size error names only the leaf; a StandardSave of an NVMe-tier state meets it
+# first, and nothing of ours runs in such a save. So the hint goes into the handler Orbax uses for
+# jax.Array, once, when this module is imported (see docs/checkpoints.md, "What optax_offload
+# changes in Orbax", and `_compat.add_orbax_zero_size_hint` for the non-public parts it relies on).
+_compat.add_orbax_zero_size_hint(_ZERO_SIZE_HINT)
 
 
 @ocp.args.register_with_handler(OffloadCheckpointHandler, for_save=True)

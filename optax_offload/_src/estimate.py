@@ -3,7 +3,7 @@
 Like DeepSpeed's memory estimators, plus time. Pure arithmetic on a parameter count or on parameter
 shapes (no array is allocated). The bandwidths and the free disk space it starts from come from
 `measure` (the only code that touches hardware); ``python -m optax_offload plan`` prints the report
-that `cli.report` renders (``str(estimate)``).
+that `report.report` renders (``str(estimate)``).
 
 Length: about 600 lines, over the ~500 we aim for, because a fifth of it is the docstrings of
 `estimate` and `Estimate` (the planning page of the API reference); the code is one result type
@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,55 +24,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_offload._src import layers as layers_lib
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import memory
+from optax_offload._src import named_optimizers
+from optax_offload._src import offloaded_scan as scan_lib
 from optax_offload._src import plan as plan_lib
+from optax_offload._src import report
 from optax_offload._src import separable
 from optax_offload._src.measure import Bandwidths
 from optax_offload._src.measure import free_disk
+from optax_offload._src.named_optimizers import NamedOptimizer
+from optax_offload._src.plan import NVME_BUFFER_GROUPS
+from optax_offload._src.plan import NVME_DISK_FACTOR
 from optax_offload._src.units import check_options
 from optax_offload._src.units import dtype_name
 from optax_offload._src.units import format_bytes
 from optax_offload._src.units import parse_bytes
 from optax_offload._src.units import parse_count
 from optax_offload._src.units import parse_dtype
-
-NVME_DISK_FACTOR = 4
-"""Disk space per byte of NVMe-tier state: the store keeps the last two committed generations and
-writes up to two more (see `NvmeStore`); 3 suffices when commits keep up with writes."""
-
-NVME_BUFFER_GROUPS = 3
-"""Host buffers of the NVMe tier, in groups: one prefetched, one written behind, one in flight."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Optimizer:
-  factory: Callable[[], optax.GradientTransformation]
-  slots: int  # parameter-shaped state arrays per parameter leaf
-  state: str  # what the slots are, for the report
-
-
-OPTIMIZERS: dict[str, _Optimizer] = {
-  "sgd": _Optimizer(lambda: optax.sgd(1e-3), 0, "no state"),
-  "sgd-momentum": _Optimizer(lambda: optax.sgd(1e-3, momentum=0.9), 1, "momentum"),
-  "adam": _Optimizer(lambda: optax.adam(1e-3), 2, "mu, nu"),
-  "adamw": _Optimizer(lambda: optax.adamw(1e-3), 2, "mu, nu"),
-  "nadam": _Optimizer(lambda: optax.nadam(1e-3), 2, "mu, nu"),
-  "nadamw": _Optimizer(lambda: optax.nadamw(1e-3), 2, "mu, nu"),
-  "adamax": _Optimizer(lambda: optax.adamax(1e-3), 2, "mu, nu"),
-  "amsgrad": _Optimizer(lambda: optax.amsgrad(1e-3), 3, "mu, nu, nu_max"),
-  "adabelief": _Optimizer(lambda: optax.adabelief(1e-3), 2, "mu, nu"),
-  "lamb": _Optimizer(lambda: optax.lamb(1e-3), 2, "mu, nu"),
-  "lion": _Optimizer(lambda: optax.lion(1e-3), 1, "mu"),
-  "rmsprop": _Optimizer(lambda: optax.rmsprop(1e-3), 1, "nu"),
-  "adagrad": _Optimizer(lambda: optax.adagrad(1e-3), 1, "sum of squares"),
-  "lars": _Optimizer(lambda: optax.lars(1e-3), 1, "momentum"),
-  # Factored second moments: a row and a column vector per matrix. Counted as no per-parameter
-  # state for a bare count; pass shapes for the exact bytes.
-  "adafactor": _Optimizer(lambda: optax.adafactor(1e-3), 0, "factored second moments"),
-}
-"""Optimizers known by name: optax's alias and its parameter-shaped state arrays per parameter."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,9 +277,7 @@ class Estimate:
     return out
 
   def __str__(self) -> str:
-    from optax_offload._src import cli  # the renderer lives with the command; cli imports us
-
-    return cli.report(self)
+    return report.report(self)
 
 
 def _param_tree(params: Any) -> Any:
@@ -442,7 +408,7 @@ def estimate(
   capacity = nvme_size
   if capacity is None and nvme_dir is not None:
     capacity = free_disk(nvme_dir)
-  opt_name, opt = _optimizer(optimizer)
+  opt_name, opt = named_optimizers.lookup(optimizer)
   common = dict(
     optimizer=opt_name,
     master_dtype=None if master is None else dtype_name(master),
@@ -486,8 +452,8 @@ def estimate(
 
 def _with_weights_on_host(e: Estimate, stack: list[tuple[int, int]]) -> Estimate:
   """`e` with the weights and gradients of `stack` ((bytes, layers) per leaf) in pinned host memory:
-  the device holds `layers.WEIGHT_LAYERS_ON_DEVICE` layers of their weights and
-  `layers.GRAD_LAYERS_ON_DEVICE` of their gradients during the forward and backward passes, and
+  the device holds `offloaded_scan.WEIGHT_LAYERS_ON_DEVICE` layers of their weights and
+  `offloaded_scan.GRAD_LAYERS_ON_DEVICE` of their gradients during the forward and backward passes, and
   after them the update streams (weights, gradients, state) through the window. Per step the weights cross
   the link four times (forward, backward, into the update and back) and the gradients twice."""
   weights = sum(nbytes for nbytes, _ in stack)
@@ -495,7 +461,7 @@ def _with_weights_on_host(e: Estimate, stack: list[tuple[int, int]]) -> Estimate
   window = e.window_peak
   if e.plan is None:  # a bare count: the window now carries weights and gradients with the state
     window = min(e.window_bytes, e.offloaded_bytes + 2 * weights)
-  layers_on_device = layers_lib.WEIGHT_LAYERS_ON_DEVICE + layers_lib.GRAD_LAYERS_ON_DEVICE
+  layers_on_device = scan_lib.WEIGHT_LAYERS_ON_DEVICE + scan_lib.GRAD_LAYERS_ON_DEVICE
   return dataclasses.replace(
     e,
     weights_on="host",
@@ -524,22 +490,6 @@ def _parse_master(master_dtype: Any) -> np.dtype | None:
   return master
 
 
-def _optimizer(optimizer: Any) -> tuple[str, _Optimizer | None]:
-  """The optimizer's name and table entry; None for a custom optax transformation."""
-  if isinstance(optimizer, str):
-    key = optimizer.lower().replace("_", "-")
-    key = {"momentum": "sgd-momentum"}.get(key, key)
-    if key not in OPTIMIZERS:
-      raise ValueError(f"Unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}.")
-    return key, OPTIMIZERS[key]
-  if isinstance(optimizer, optax.GradientTransformation):
-    return "custom", None
-  raise ValueError(
-    f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or an optax transformation, got "
-    f"{type(optimizer).__name__}."
-  )
-
-
 def _needs_master(dtype: np.dtype, master: np.dtype) -> bool:
   """Whether `offload` keeps a master copy of a param of `dtype` (it is narrower than `master`)."""
   if not jnp.issubdtype(dtype, jnp.floating):
@@ -559,7 +509,7 @@ def _host_returns(n: int, param_dtype: np.dtype, update_dtype: np.dtype) -> int:
   return max(0, n * (update_dtype.itemsize - param_dtype.itemsize))
 
 
-def _estimate_count(n: int, dtype: np.dtype, master, opt: _Optimizer, common) -> Estimate:
+def _estimate_count(n: int, dtype: np.dtype, master, opt: NamedOptimizer, common) -> Estimate:
   use_master = master is not None and _needs_master(dtype, master)
   state_dtype = master if use_master else dtype
   master_bytes = n * master.itemsize if use_master else 0

@@ -25,6 +25,14 @@ GPU_PINNED_POOL_DEFAULT = 64 * 2**30
 ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` is set."""
 
 
+NVME_DISK_FACTOR = 4
+"""Disk space per byte of NVMe-tier state: the store keeps the last two committed generations and
+writes up to two more (see `NvmeStore`); 3 suffices when commits keep up with writes."""
+
+NVME_BUFFER_GROUPS = 3
+"""Host buffers of the NVMe tier, in groups: one prefetched, one written behind, one in flight."""
+
+
 def gpu_pinned_pool() -> int:
   """The pinned host pool per GPU: ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` GB, or 64 GiB by default."""
   value = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")

@@ -20,7 +20,7 @@ flight while some update computes. XLA:GPU keeps at most two copies in flight: w
 computation per group only half of a group's copies (two in, two out for Adam) could overlap
 compute, hence at least two chunks per group.
 
-Params and gradients that live in host memory (weights offloaded too, `layers.offloaded_scan`)
+Params and gradients that live in host memory (weights offloaded too, `offloaded_scan.offloaded_scan`)
 travel with their leaf's state: their slices arrive with the group, and with `apply` the new params
 are written into the group's param buffer and leave with its state (`_Run.stream_host_params`).
 
@@ -217,7 +217,7 @@ class _Run:
   def send(self, k: int, bufs, space) -> dict[int, Any]:
     """Writes group k's new offloaded arrays back (moved to `space` first unless None).
 
-    Returns the NVMe-tier parts, by leaf, for `NvmeTier.put`.
+    Returns the NVMe-tier parts, by leaf, for `nvme_tier.TracedTier.put`.
     """
     nvme_parts: dict[int, list[Any]] = {}
     for n, piece in enumerate(self.spec.units[k]):
@@ -383,7 +383,7 @@ def run(
     extra_args: passed to every inner update.
     placement: ``"none"`` (no moves: the reference semantics), ``"device"`` (stream through the
       device window) or ``"host"`` (update each group on the host, next to its state).
-    nvme: the `NvmeTier` holding the NVMe-tier arrays, or None.
+    nvme: the NVMe tier's callbacks (`nvme_tier.TracedTier`), or None.
     generation: the NVMe generation the state names (traced), when `nvme` is given.
     store: the NVMe store id the state names (traced): the update runs on that store (of `nvme`'s
       layout), so a program traced before `close_nvme` serves a state of a later ``tx.init``.
@@ -412,12 +412,12 @@ def run(
       "offload: update_on='host' with params in host memory is not supported yet; use "
       "update_on='device', which streams them through the window with the state."
     )
-  token = nvme.begin_traced(generation, store=store) if nvme is not None else generation
+  token = nvme.begin(generation, store=store) if nvme is not None else generation
   if placement == "host":
     token = _run_on_host(r, nvme, token)
   else:
     token = _run_streamed(r, nvme, token, on_device=placement == "device")
-  new_generation = nvme.commit_traced(token) if nvme is not None else generation
+  new_generation = nvme.commit(token) if nvme is not None else generation
   per_leaf = [
     treedef.unflatten(
       [

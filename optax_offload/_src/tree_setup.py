@@ -9,6 +9,7 @@ from opening that tier. `state_shardings` says where each array of the state liv
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -21,13 +22,14 @@ import optax
 
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import memory
+from optax_offload._src import nvme
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
 from optax_offload._src import stream
 from optax_offload._src.units import format_bytes
 
-logger = logging.getLogger("optax_offload._src.transform")  # the plan is logged as offload's
+logger = logging.getLogger("optax_offload._src.offload")  # the plan is logged as offload's
 
 MANY_GROUPS = 96
 """Above this many groups `make_setup` warns about XLA:GPU compile time."""
@@ -47,6 +49,11 @@ class Setup:
   spec: stream.StreamSpec
   layout: layout_lib.StateLayout  # of the tree init saw
   nvme: nvme_tier.NvmeTier | None
+
+  @functools.cached_property
+  def callbacks(self) -> nvme_tier.TracedTier | None:
+    """The NVMe tier's side of the update (its jit callbacks), or None without a tier."""
+    return None if self.nvme is None else nvme_tier.TracedTier(self.nvme)
 
   def handles(self, generation: int) -> tuple[jax.Array, jax.Array]:
     store = -1 if self.nvme is None else self.nvme.id
@@ -172,7 +179,7 @@ def make_setup(
   window_bytes: int | None,
   host_limit: int | None,
   nvme_dir: Any = None,
-  nvme_options: nvme_tier.NvmeOptions | None = None,
+  nvme_options: nvme.NvmeOptions | None = None,
   check_separable: bool = True,
 ) -> Setup:
   """Plans one parameter tree: tiers, groups, row slices and chunks; opens the NVMe store if used."""
@@ -217,6 +224,7 @@ def make_setup(
   if any(plan_lib.Tier.NVME in ts for ts in array_tiers):
     tier = nvme_tier.NvmeTier(
       nvme_tier.process_directory(nvme_dir),
+      layout,
       the_plan.units,
       array_tiers,
       per_leaf,
@@ -224,7 +232,6 @@ def make_setup(
       shardings,
       nvme_options,
     )
-    tier.layout = layout
   logger.info("offload plan:\n%s", plan_lib.describe_plan(the_plan, leaves))
   if len(the_plan.units) > MANY_GROUPS:
     logger.warning(

@@ -12,7 +12,6 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,21 +21,15 @@ from optax_offload._src import _compat
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
 from optax_offload._src import memory
+from optax_offload._src import nvme
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
-from optax_offload._src import setup as setup_lib
 from optax_offload._src import stream
+from optax_offload._src import tree_setup as setup_lib
 from optax_offload._src import units
+from optax_offload._src.state import OffloadState
 
 logger = logging.getLogger(__name__)
-
-
-class OffloadState(NamedTuple):
-  """State of `offload`: the inner state, with large per-parameter parts in host memory."""
-
-  inner: optax.OptState  # NVMe-tier parts are empty placeholders: their data is in the store
-  nvme_store: jax.Array  # int32 scalar: id of the NVMe store holding NVMe-tier parts; -1: none
-  nvme_generation: jax.Array  # int32 scalar: the store generation this state names; -1: none
 
 
 def offload(
@@ -49,7 +42,7 @@ def offload(
   min_size: int = 4096,
   window_bytes: int | str | None = None,
   check_separable: bool = True,
-  nvme_options: nvme_tier.NvmeOptions | dict[str, Any] | None = None,
+  nvme_options: nvme.NvmeOptions | dict[str, Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps the state of a separable optax transformation in pinned host memory.
 
@@ -129,7 +122,7 @@ def offload(
       )
   if nvme_dir is not None and not isinstance(nvme_dir, str | os.PathLike):
     raise TypeError(f"nvme_dir must be a directory path, got {type(nvme_dir).__name__}.")
-  nvme_options = nvme_tier.NvmeOptions.of(nvme_options)
+  nvme_options = nvme.NvmeOptions.of(nvme_options)
   host_limit_bytes = units.parse_bytes(host_limit, "host_limit")
 
   inner = optax.with_extra_args_support(inner)
@@ -305,7 +298,7 @@ class _Offloaded:
         param_leaves,
         extra_args,
         placement=self.update_on,
-        nvme=setup.nvme,
+        nvme=setup.callbacks,
         generation=state.nvme_generation,
         store=state.nvme_store,
         apply=apply,

@@ -211,3 +211,9 @@ def leaf_specs(
     ]
     for members in members_of
   ]
+
+
+def select(parts: Mapping[int, Any], keys: Sequence[Key]) -> list[Any]:
+  """The arrays `keys` name, taken from state parts by leaf index (`jax.tree.leaves` order)."""
+  flat = {i: jax.tree.leaves(parts[i]) for i in {i for i, _ in keys}}
+  return [flat[i][j] for i, j in keys]
