@@ -5,11 +5,13 @@ shapes (no array is allocated). The bandwidths and the free disk space it starts
 `measure` (the only code that touches hardware); ``python -m optax_offload plan`` prints the report
 that `report.report` renders (``str(estimate)``).
 
+From shapes, the plan is `offload`'s own: `tree_plan.plan_tree`, the derivation offload runs at init
+(tests/test_tree_plan.py holds the two to it). From a bare count, the model is one aggregate (see
+`estimate`).
+
 Length: about 600 lines, over the ~500 we aim for, because a fifth of it is the docstrings of
 `estimate` and `Estimate` (the planning page of the API reference); the code is one result type
-and two derivations (from a count, from shapes) behind one function (`estimate` is 120 lines, 80
-of them its docstring). The derivation from shapes (`_leaves`) repeats what `offload` derives per
-leaf and is to become the `make_setup` both share.
+and two estimates (from a count, from shapes) behind one function.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ import numpy as np
 import optax
 
 from optax_offload._src import layout as layout_lib
+from optax_offload._src import master as master_lib
 from optax_offload._src import memory
 from optax_offload._src import named_optimizers
 from optax_offload._src import offloaded_scan as scan_lib
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import report
-from optax_offload._src import separable
+from optax_offload._src import tree_plan
 from optax_offload._src.measure import Bandwidths
 from optax_offload._src.measure import free_disk
 from optax_offload._src.named_optimizers import NamedOptimizer
@@ -70,8 +73,10 @@ class Shortfall:
 class Estimate:
   """What `offload` will put where, whether it fits, and the fastest a step can be.
 
-  All sizes are bytes per process, unsharded. ``str(estimate)`` is the report that
-  ``python -m optax_offload plan`` prints.
+  All sizes are bytes per process. Params and gradients count whole (unsharded); for shapes
+  with shardings, the optimizer state counts what this process holds, as `footprint` does (its
+  shards, and a replicated array once per local device), and the window one device's share.
+  ``str(estimate)`` is the report that ``python -m optax_offload plan`` prints.
 
   Attributes:
     params: number of parameters.
@@ -329,8 +334,11 @@ def estimate(
   `min_size` elements (in a transformer, LayerNorm scales and biases are well under 0.1% of the
   parameters) and the host takes exactly `host_limit` bytes, the NVMe tier the rest; `make_plan`
   assigns whole leaves, so a real plan puts up to one leaf more on NVMe. Given shapes (a tree of
-  arrays or `jax.ShapeDtypeStruct`, or a Flax NNX module), the optimizer's state is built abstractly
-  with `jax.eval_shape` and each leaf placed by `make_plan`, exactly as `offload` does.
+  arrays or `jax.ShapeDtypeStruct`, or a Flax NNX module), the plan is the one `offload` makes at
+  init, by the same code: the optimizer's state built abstractly with `jax.eval_shape`, leaves
+  sliced in rows where the update allows it and their sharding does not cut the rows, each leaf
+  placed by `make_plan`; the shapes' shardings (``sharding=`` of a `jax.ShapeDtypeStruct`, or an
+  array's) are taken into account as `offload` takes the params'.
 
   Step time: with ``update_on="device"`` every offloaded byte crosses the host<->device link twice
   per step (to the device and back); with ``"host"`` the gradients go to the host and the updates
@@ -403,7 +411,7 @@ def estimate(
   host_limit = parse_bytes(host_limit, "host_limit")
   nvme_size = parse_bytes(nvme_size, "nvme_size")
   activations = parse_bytes(activation_bytes, "activation_bytes") or 0
-  window = _window(window, device_memory)
+  window = tree_plan.window_bytes(window, device_memory)
   master = _parse_master(master_dtype)
   capacity = nvme_size
   if capacity is None and nvme_dir is not None:
@@ -474,15 +482,6 @@ def _with_weights_on_host(e: Estimate, stack: list[tuple[int, int]]) -> Estimate
   )
 
 
-def _window(window: int | None, device_memory: int | None) -> int:
-  """The window `offload` would use: as given, else a fraction of the device's memory, else 1 GiB."""
-  if window is not None:
-    return window
-  if device_memory:
-    return int(device_memory * plan_lib.DEFAULT_WINDOW_FRACTION)
-  return plan_lib.FALLBACK_WINDOW_BYTES
-
-
 def _parse_master(master_dtype: Any) -> np.dtype | None:
   master = None if master_dtype is None else parse_dtype(master_dtype, "master_dtype")
   if master is not None and not jnp.issubdtype(master, jnp.floating):
@@ -490,16 +489,15 @@ def _parse_master(master_dtype: Any) -> np.dtype | None:
   return master
 
 
-def _needs_master(dtype: np.dtype, master: np.dtype) -> bool:
-  """Whether `offload` keeps a master copy of a param of `dtype` (it is narrower than `master`)."""
-  if not jnp.issubdtype(dtype, jnp.floating):
-    return False
-  if jnp.finfo(dtype).bits > jnp.finfo(master).bits:
+def _count_needs_master(dtype: np.dtype, master: np.dtype) -> bool:
+  """Whether `offload` keeps a master copy of params of `dtype`, for a bare count: the check of
+  `master.check_master_dtype`, worded for the command line."""
+  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits > jnp.finfo(master).bits:
     raise ValueError(
       f"master_dtype={master.name} is narrower than the params ({dtype.name}): a master copy must be "
       "at least as wide as the params, e.g. --master-dtype fp32 with bf16 params."
     )
-  return jnp.finfo(dtype).bits < jnp.finfo(master).bits
+  return master_lib.needs_master(dtype, master)
 
 
 def _host_returns(n: int, param_dtype: np.dtype, update_dtype: np.dtype) -> int:
@@ -510,7 +508,7 @@ def _host_returns(n: int, param_dtype: np.dtype, update_dtype: np.dtype) -> int:
 
 
 def _estimate_count(n: int, dtype: np.dtype, master, opt: NamedOptimizer, common) -> Estimate:
-  use_master = master is not None and _needs_master(dtype, master)
+  use_master = master is not None and _count_needs_master(dtype, master)
   state_dtype = master if use_master else dtype
   master_bytes = n * master.itemsize if use_master else 0
   offloaded = master_bytes + n * opt.slots * state_dtype.itemsize
@@ -538,19 +536,10 @@ def _estimate_count(n: int, dtype: np.dtype, master, opt: NamedOptimizer, common
   )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Leaves:
-  """What `estimate` derives per param leaf from shapes alone (the inner state built abstractly)."""
-
-  sizes: list[int]  # elements
-  dtypes: list[np.dtype]  # of the params
-  has_master: list[bool]  # whether the leaf gets a master copy
-  state_dtypes: set[np.dtype]  # of the per-leaf state
-  infos: list[plan_lib.LeafInfo]  # what `make_plan` places
-  small: int  # state bytes on the device whatever the plan: shared state, arrays under min_size
-
-
-def _leaves(tree: Any, tx, master, min_size: int) -> _Leaves:
+def _tree_plan(tree: Any, tx, master, min_size: int, common) -> tree_plan.TreePlan:
+  """The plan `offload` would make of `tree` (`tree_plan`, the derivation offload runs at init),
+  or when the state exceeds `host_limit` without an NVMe tier, the plan without that limit (the
+  report then shows the shortfall)."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   if not flat:
     raise ValueError("params has no leaves: pass a parameter count or a non-empty tree of shapes.")
@@ -561,80 +550,70 @@ def _leaves(tree: Any, tx, master, min_size: int) -> _Leaves:
         "jax.ShapeDtypeStruct."
       )
   paths = [layout_lib.leaf_path(p) for p, _ in flat]
-  dtypes = [jnp.dtype(x.dtype) for _, x in flat]
-  sizes = [math.prod(x.shape) for _, x in flat]
-  has_master = [master is not None and _needs_master(d, master) for d in dtypes]
-  inner_avals = [
-    jax.ShapeDtypeStruct(tuple(x.shape), master if m else d)
-    for (_, x), d, m in zip(flat, dtypes, has_master)
-  ]
+  avals = [jax.ShapeDtypeStruct(tuple(x.shape), jnp.dtype(x.dtype)) for _, x in flat]
+  shardings = [getattr(x, "sharding", None) for _, x in flat]
+  if master is not None:
+    master_lib.check_master_dtype(avals, paths, master)
   try:
-    layout = layout_lib.StateLayout(tx, treedef)
-    shared, per_leaf = layout.split(jax.eval_shape(tx.init, treedef.unflatten(inner_avals)))
+    derived = tree_plan.derive_leaves(
+      tree_plan.offloaded_inner(tx, master),
+      treedef,
+      paths,
+      avals,
+      shardings,
+      min_size=min_size,
+      check_separable=False,
+    )
   except TypeError as e:
     raise ValueError(f"Cannot estimate this optimizer's state per leaf: {e}") from e
-  small = sum(_nbytes(x) for x in jax.tree.leaves(shared))
-  # Which leaves `offload` may stream in row slices (the same probe it runs).
-  dims = [separable.shared_dims(part, aval.shape) for part, aval in zip(per_leaf, inner_avals)]
-  rows = separable.splittable(
-    optax.with_extra_args_support(tx), inner_avals, per_leaf, dims, min_size, axis=0
-  )
-  infos = []
-  for (_, x), path, size, part, aval, m, n in zip(
-    flat, paths, sizes, per_leaf, inner_avals, has_master, rows
-  ):
-    arrays = jax.tree.leaves(part) + ([aval] if m else [])
-    offloadable = sum(_nbytes(x) for x in arrays if math.prod(x.shape) >= min_size)
-    small += sum(_nbytes(x) for x in arrays if math.prod(x.shape) < min_size)
-    moving = 2 * _nbytes(x) if _in_pinned_host(x) else 0  # weights offloaded too
-    infos.append(plan_lib.LeafInfo(path, size, offloadable, rows=n, moving_bytes=moving))
-  state_dtypes = {jnp.dtype(x.dtype) for part in per_leaf for x in jax.tree.leaves(part)} or set(
-    a.dtype for a in inner_avals
-  )
-  return _Leaves(sizes, dtypes, has_master, state_dtypes, infos, small)
+  window = common["window_bytes"]
+  try:
+    return tree_plan.place(
+      derived, window_bytes=window, host_limit=common["host_limit"], nvme=common["nvme"]
+    )
+  except ValueError:  # over host_limit without NVMe: report the shortfall instead
+    return tree_plan.place(derived, window_bytes=window, host_limit=None, nvme=False)
 
 
 def _estimate_tree(tree: Any, tx, master, min_size: int, common) -> Estimate:
-  t = _leaves(tree, tx, master, min_size)
-  kwargs = dict(min_size=min_size, window_bytes=common["window_bytes"])
-  try:
-    plan = plan_lib.make_plan(
-      t.infos, host_limit=common["host_limit"], nvme=common["nvme"], **kwargs
-    )
-  except ValueError:  # over host_limit without NVMe: report the shortfall instead
-    plan = plan_lib.make_plan(t.infos, host_limit=None, nvme=False, **kwargs)
-  group_bytes = plan.group_bytes(t.infos)
+  t = _tree_plan(tree, tx, master, min_size, common)
+  plan, infos = t.plan, t.leaves
+  sizes = [leaf.size for leaf in infos]
+  has_master = [master is not None and master_lib.needs_master(d, master) for d in t.dtypes]
+  group_bytes = plan.group_bytes(infos)
   pairs = [a + b for a, b in zip(group_bytes, group_bytes[1:])] or group_bytes
   nvme_groups = [  # a row slice counts its own rows
-    sum(plan.piece_bytes(p, t.infos) for p in unit if plan.tiers[p.leaf] is plan_lib.Tier.NVME)
+    sum(plan.piece_bytes(p, infos) for p in unit if plan.tiers[p.leaf] is plan_lib.Tier.NVME)
     for unit in plan.units
   ]
-  offloaded = [plan.tiers[i] is not plan_lib.Tier.DEVICE for i in range(len(t.infos))]
-  param_bytes = sum(s * d.itemsize for s, d in zip(t.sizes, t.dtypes))
+  offloaded = [tier is not plan_lib.Tier.DEVICE for tier in plan.tiers]
+  param_bytes = sum(s * d.itemsize for s, d in zip(sizes, t.dtypes))
   # update_on="host": grads go to the host, updates (in the master dtype, if any) come back.
   host_link_bytes = sum(
     s * (d.itemsize + (master.itemsize if m else d.itemsize))
-    for s, d, m, o in zip(t.sizes, t.dtypes, t.has_master, offloaded)
+    for s, d, m, o in zip(sizes, t.dtypes, has_master, offloaded)
     if o
   )
   on_device = common["update_on"] == "device"
-  state_dtypes = set(t.state_dtypes)
+  state_dtypes = {jnp.dtype(x.dtype) for part in t.parts for x in jax.tree.leaves(part)} or {
+    master if m else d for d, m in zip(t.dtypes, has_master)
+  }
   return Estimate(
-    params=sum(t.sizes),
+    params=sum(sizes),
     param_dtype=dtype_name(t.dtypes[0]) if len(set(t.dtypes)) == 1 else "mixed",
     state_dtype=dtype_name(state_dtypes.pop()) if len(state_dtypes) == 1 else "mixed",
     param_bytes=param_bytes,
     grad_bytes=param_bytes,
-    device_state_bytes=t.small + plan.bytes_per_tier["device"],
+    device_state_bytes=t.device_state_bytes,
     window_peak=max(pairs, default=0)
     if on_device
     else sum(
       _host_returns(s, d, master if m else d)
-      for s, d, m, o in zip(t.sizes, t.dtypes, t.has_master, offloaded)
+      for s, d, m, o in zip(sizes, t.dtypes, has_master, offloaded)
       if o
     ),
     master_bytes=sum(
-      s * master.itemsize for s, m, o in zip(t.sizes, t.has_master, offloaded) if m and o
+      s * master.itemsize for s, m, o in zip(sizes, has_master, offloaded) if m and o
     ),
     host_bytes=plan.bytes_per_tier["host"],
     nvme_bytes=plan.bytes_per_tier["nvme"],
@@ -644,7 +623,7 @@ def _estimate_tree(tree: Any, tx, master, min_size: int, common) -> Estimate:
       if on_device
       else host_link_bytes
     ),
-    leaves=tuple(t.infos),
+    leaves=infos,
     plan=plan,
     **common,
   )

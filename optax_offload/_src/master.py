@@ -25,8 +25,16 @@ class MasterState(NamedTuple):
   inner: optax.OptState
 
 
-def _needs_master(p: Any, master_dtype) -> bool:
-  return jnp.finfo(jnp.result_type(p)).bits < jnp.finfo(master_dtype).bits
+def needs_master(dtype: Any, master_dtype: Any) -> bool:
+  """Whether a param of `dtype` gets a master copy: a floating dtype narrower than `master_dtype`.
+
+  Examples:
+    >>> needs_master(jnp.bfloat16, jnp.float32), needs_master(jnp.float32, jnp.float32)
+    (True, False)
+  """
+  if not jnp.issubdtype(dtype, jnp.floating):
+    return False
+  return jnp.finfo(dtype).bits < jnp.finfo(master_dtype).bits
 
 
 def check_master_dtype(params_leaves, paths, master_dtype) -> None:
@@ -73,7 +81,11 @@ def with_master_weights(
   # Trees are mapped with params first: a None master (no copy needed) then reaches the function.
   def init_fn(params):
     master = jax.tree.map(
-      lambda p: jnp.asarray(p).astype(master_dtype) if _needs_master(p, master_dtype) else None,
+      lambda p: (
+        jnp.asarray(p).astype(master_dtype)
+        if needs_master(jnp.result_type(p), master_dtype)
+        else None
+      ),
       params,
     )
     return MasterState(master, inner.init(_master_or_params(params, master)))

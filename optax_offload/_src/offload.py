@@ -25,6 +25,7 @@ from optax_offload._src import nvme
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import stream
+from optax_offload._src import tree_plan
 from optax_offload._src import tree_setup as setup_lib
 from optax_offload._src import units
 from optax_offload._src.state import OffloadState
@@ -125,9 +126,7 @@ def offload(
   nvme_options = nvme.NvmeOptions.of(nvme_options)
   host_limit_bytes = units.parse_bytes(host_limit, "host_limit")
 
-  inner = optax.with_extra_args_support(inner)
-  if master_dtype is not None:
-    inner = master_lib.with_master_weights(inner, master_dtype)
+  inner = tree_plan.offloaded_inner(inner, master_dtype)
   if nvme_dir is not None and host_limit_bytes is None:
     warnings.warn(
       "offload: nvme_dir is given but host_limit is None, so the host tier takes all the state "

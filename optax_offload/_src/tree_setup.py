@@ -1,9 +1,11 @@
-"""Planning `offload` for one parameter tree: tiers, groups, row slices, chunks and placements.
+"""What `offload` builds for one parameter tree on top of its plan: the stream spec, the NVMe tier
+and the state's placement.
 
-`make_setup` derives everything `offload` needs from the params' shapes, dtypes and shardings:
-the placement plan (`plan.make_plan`), where each state array rests (`array_tiers`), the stream
-spec the update runs (`stream.StreamSpec`), and the NVMe tier when state goes to disk. Pure apart
-from opening that tier. `state_shardings` says where each array of the state lives.
+`make_setup` takes the tree's plan (`tree_plan.plan_tree`: the derivation `estimate` runs too) and
+adds what only a real run needs: the chunks of each group's update and the `stream.StreamSpec`
+the update runs, and the `NvmeTier` (its store opened) when state goes to disk. It logs the plan
+and warns about what a run would regret (many groups, a GPU's pinned pool too small).
+`state_shardings` says where each array of the state lives.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,13 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_offload._src import layout as layout_lib
-from optax_offload._src import memory
 from optax_offload._src import nvme
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
 from optax_offload._src import stream
+from optax_offload._src import tree_plan
 from optax_offload._src.units import format_bytes
 
 logger = logging.getLogger("optax_offload._src.offload")  # the plan is logged as offload's
@@ -36,18 +36,11 @@ MANY_GROUPS = 96
 
 
 @dataclasses.dataclass(frozen=True)
-class Setup:
-  """Everything `offload` derives from one parameter tree at init: the plan and its resources."""
+class Setup(tree_plan.TreePlan):
+  """A tree's plan (`tree_plan.TreePlan`) with the resources of a run: the update's stream spec
+  and the NVMe tier (None without state on disk)."""
 
-  paths: tuple[str, ...]
-  param_shapes: tuple[tuple[int, ...], ...]
-  dtypes: tuple[Any, ...]
-  leaves: tuple[plan_lib.LeafInfo, ...]
-  plan: plan_lib.Plan
-  part_shapes: tuple[list[tuple[int, ...]], ...]  # shapes of each leaf's state arrays
-  array_tiers: tuple[tuple[plan_lib.Tier, ...], ...]  # tier of each leaf's state arrays
   spec: stream.StreamSpec
-  layout: layout_lib.StateLayout  # of the tree init saw
   nvme: nvme_tier.NvmeTier | None
 
   @functools.cached_property
@@ -64,39 +57,13 @@ class Setup:
     return self.nvme is None or not self.nvme.closed
 
 
-def default_window_bytes() -> int:
+def device_memory() -> int | None:
+  """The memory JAX may use on the first local device, when the backend reports it."""
   try:
     stats = jax.local_devices()[0].memory_stats()
   except Exception:  # some backends do not implement memory_stats
     stats = None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"] * plan_lib.DEFAULT_WINDOW_FRACTION)
-  return plan_lib.FALLBACK_WINDOW_BYTES
-
-
-def _state_bytes(part: Any, shape: tuple[int, ...], sharding: Any) -> int:
-  """Bytes per device of one leaf's state parts; parts shaped like the param share its sharding."""
-  total = 0
-  for x in jax.tree.leaves(part):
-    shard = x.shape
-    if sharding is not None and tuple(x.shape) == tuple(shape):
-      shard = sharding.shard_shape(tuple(shape))
-    total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
-  return total
-
-
-def _moving_bytes(aval: Any, sharding: Any) -> int:
-  """Bytes a param and its gradient add to the window when they live in host memory."""
-  if not memory.is_pinned_host(sharding):
-    return 0
-  return 2 * _state_bytes(aval, aval.shape, sharding)
-
-
-def _local_device_count(sharding: Any) -> int:
-  """How many of this process's devices hold a shard (or a copy) of an array with `sharding`."""
-  if sharding is None:
-    return 1
-  return sum(d.process_index == jax.process_index() for d in sharding.device_set)
+  return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
 
 
 def host_sharding(sharding: Any, part_shape: tuple[int, ...], param_shape: tuple[int, ...]):
@@ -115,28 +82,6 @@ def map_arrays(part: Any, tiers: Sequence[plan_lib.Tier], fn) -> Any:
   """Applies ``fn(tier, j, array)`` to each array of a leaf's state part."""
   arrays, treedef = jax.tree.flatten(part)
   return treedef.unflatten([fn(t, j, x) for j, (t, x) in enumerate(zip(tiers, arrays))])
-
-
-def _array_tiers(part: Any, tier: plan_lib.Tier, min_size: int) -> tuple[plan_lib.Tier, ...]:
-  """The leaf's tier for each of its state arrays, but arrays below `min_size` stay on device.
-
-  Besides saving transfers of tiny arrays (e.g. adafactor's (1,) placeholders), this keeps
-  JAX's donation matching right: it pairs donated inputs to outputs by shape and dtype, ignoring
-  memory kinds, so a tiny host array and a tiny device array of the same shape could be swapped.
-  """
-  return tuple(
-    tier if math.prod(x.shape) >= min_size else plan_lib.Tier.DEVICE for x in jax.tree.leaves(part)
-  )
-
-
-def _unsharded_axes(sharding: Any) -> int:
-  """How many leading axes of a param are not sharded (at most 2)."""
-  if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    return 2
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    spec = tuple(sharding.spec) + (None, None)
-    return 0 if spec[0] is not None else (1 if spec[1] is not None else 2)
-  return 0
 
 
 CHUNKS = 4
@@ -182,52 +127,39 @@ def make_setup(
   nvme_options: nvme.NvmeOptions | None = None,
   check_separable: bool = True,
 ) -> Setup:
-  """Plans one parameter tree: tiers, groups, row slices and chunks; opens the NVMe store if used."""
-  layout = layout_lib.StateLayout(inner, treedef)
-  abstract_state = jax.eval_shape(inner.init, treedef.unflatten(list(avals)))
-  _, per_leaf = layout.split(abstract_state)
-  if check_separable:
-    separable.check_separable(inner, layout, paths, avals)
-  dims = tuple(separable.shared_dims(part, a.shape) for part, a in zip(per_leaf, avals))
-  unsharded = [_unsharded_axes(s) for s in shardings]
-  rows = separable.splittable(inner, avals, per_leaf, dims, min_size, axis=0)
-  cols = separable.splittable(inner, avals, per_leaf, dims, min_size, axis=1)
-  rows = [n if u >= 1 else 0 for n, u in zip(rows, unsharded)]
-  cols = [n if u >= 2 else 0 for n, u in zip(cols, unsharded)]
-  leaves = tuple(
-    plan_lib.LeafInfo(
-      p,
-      math.prod(a.shape),
-      _state_bytes(part, a.shape, s),
-      _state_bytes(part, a.shape, s) * _local_device_count(s),
-      rows=n,
-      moving_bytes=_moving_bytes(a, s),
-    )
-    for p, a, part, s, n in zip(paths, avals, per_leaf, shardings, rows)
-  )
-  the_plan = plan_lib.make_plan(
-    leaves,
+  """Plans one parameter tree (`tree_plan.plan_tree`), then adds the stream spec and, when state
+  goes to disk, the NVMe tier (its store opened)."""
+  window = tree_plan.window_bytes(window_bytes, device_memory())
+  tp = tree_plan.plan_tree(
+    inner,
+    treedef,
+    paths,
+    avals,
+    shardings,
     min_size=min_size,
-    window_bytes=window_bytes if window_bytes is not None else default_window_bytes(),
+    window_bytes=window,
     host_limit=host_limit,
     nvme=nvme_dir is not None,
+    check_separable=check_separable,
   )
-  part_shapes = tuple([tuple(x.shape) for x in jax.tree.leaves(part)] for part in per_leaf)
-  array_tiers = tuple(_array_tiers(part, t, min_size) for part, t in zip(per_leaf, the_plan.tiers))
+  the_plan, leaves, array_tiers = tp.plan, tp.leaves, tp.array_tiers
+  # Column chunks need the update to split along axis 1 too (and that axis unsharded).
+  cols = separable.splittable(inner, avals, tp.parts, tp.dims, min_size, axis=1)
+  cols = [n if tree_plan.unsharded_axes(s) >= 2 else 0 for n, s in zip(cols, shardings)]
   spec = stream.StreamSpec(
     the_plan.units,
     array_tiers,
-    dims,
+    tp.dims,
     tuple(_chunks(u, leaves, array_tiers, cols, len(the_plan.units)) for u in the_plan.units),
   )
   tier = None
   if any(plan_lib.Tier.NVME in ts for ts in array_tiers):
     tier = nvme_tier.NvmeTier(
       nvme_tier.process_directory(nvme_dir),
-      layout,
+      tp.layout,
       the_plan.units,
       array_tiers,
-      per_leaf,
+      tp.parts,
       [tuple(a.shape) for a in avals],
       shardings,
       nvme_options,
@@ -239,25 +171,15 @@ def make_setup(
       "all for row slices of one stacked leaf (measured for an H100: 128 slices of one leaf "
       "90-120 s, 128 separate leaves 12 s); raise window_bytes (now %s) for fewer, larger groups.",
       len(the_plan.units),
-      format_bytes(window_bytes if window_bytes is not None else default_window_bytes()),
+      format_bytes(window),
     )
   if jax.default_backend() == "gpu":
     devices = max(1, len(jax.local_devices()))
     warning = plan_lib.pinned_pool_warning(the_plan.bytes_per_tier["host"] // devices)
     if warning:
       logger.warning("offload: %s", warning)
-  return Setup(
-    tuple(paths),
-    tuple(tuple(a.shape) for a in avals),
-    tuple(jnp.dtype(a.dtype) for a in avals),
-    leaves,
-    the_plan,
-    part_shapes,
-    array_tiers,
-    spec,
-    layout,
-    tier,
-  )
+  fields = {f.name: getattr(tp, f.name) for f in dataclasses.fields(tree_plan.TreePlan)}
+  return Setup(**fields, spec=spec, nvme=tier)
 
 
 def named_sharding(sharding: Any) -> jax.sharding.NamedSharding:
