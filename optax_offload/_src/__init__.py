@@ -1,0 +1,1 @@
+"""The implementation of `optax_offload`; see README.md here for which module does what."""
