@@ -136,3 +136,19 @@ def test_weights_in_host_memory_stream_with_their_state():
   layers = e.leaves[[leaf.path for leaf in e.leaves].index("['layers']")]
   assert layers.moving_bytes == 2 * 8 * 128 * 128 * 2
   assert len(e.plan.units) > 1 and layers.rows == 8
+
+
+def test_shapes_on_an_abstract_mesh_plan_as_on_devices():
+  # Planning before devices exist: one process is taken to hold the whole mesh.
+  params = _sharded_params()
+  abstract = jax.sharding.AbstractMesh((4,), ("d",))
+  shapes = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(abstract, x.sharding.spec)
+    ),
+    params,
+  )
+  kwargs = dict(optimizer=optax.adam(1e-3), window_bytes="40KiB")
+  e, want = oo.estimate(shapes, **kwargs), oo.estimate(_shapes(params), **kwargs)
+  assert e.plan == want.plan and e.leaves == want.leaves
+  assert e.device_state_bytes == want.device_state_bytes

@@ -1,4 +1,10 @@
-"""Inspecting offloaded state: bytes per tier, and the plain inner state."""
+"""Inspecting and managing offloaded state from outside `jax.jit`.
+
+Bytes per tier (`footprint`), the tier of every array (`tiers`), the plain inner state
+(`to_inner`) and the master weights (`master_params`); waiting for and closing a state's NVMe
+store (`sync_nvme`, `close_nvme`). Reads states (`state.OffloadState`) without the transformation
+that made them; NVMe-tier data through the tier the state names (`nvme_tier.lookup`).
+"""
 
 from __future__ import annotations
 

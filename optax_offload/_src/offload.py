@@ -1,5 +1,9 @@
 """`offload`: an optax transformation whose inner state lives off the device, updated in a window.
 
+Where a call goes from here (see README.md in this directory): init plans the tree
+(`tree_setup.make_setup`, around `tree_plan.plan_tree`) and places the state in one jit; update
+splits the state (`layout`) and runs the grouped update (`stream.run`).
+
 Length: over the ~500 lines we aim for because `offload`'s docstring (the main page of the API
 reference) is about 70 of its 120 lines; the code is the transformation class and its init/update.
 """

@@ -124,9 +124,16 @@ def shard_bytes(x: Any, param_shape: Sequence[int], sharding: Any) -> int:
 
 
 def local_devices(sharding: Any) -> int:
-  """How many of this process's devices hold a shard (or a copy) of an array with `sharding`."""
+  """How many of this process's devices hold a shard (or a copy) of an array with `sharding`.
+
+  On an `jax.sharding.AbstractMesh` (planning before devices exist, as `estimate` may), one
+  process is taken to hold the whole mesh.
+  """
   if sharding is None:
     return 1
+  mesh = getattr(sharding, "mesh", None)
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return mesh.size
   return sum(d.process_index == jax.process_index() for d in sharding.device_set)
 
 
@@ -211,7 +218,7 @@ def derive_leaves(
     math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(shared)
   )
   if isinstance(default, jax.sharding.NamedSharding):  # replicated over the params' mesh
-    shared_bytes *= sum(d.process_index == jax.process_index() for d in default.mesh.devices.flat)
+    shared_bytes *= local_devices(default)
   return TreeLeaves(
     tuple(paths),
     tuple(tuple(a.shape) for a in avals),
