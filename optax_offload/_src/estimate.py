@@ -461,9 +461,10 @@ def estimate(
 def _with_weights_on_host(e: Estimate, stack: list[tuple[int, int]]) -> Estimate:
   """`e` with the weights and gradients of `stack` ((bytes, layers) per leaf) in pinned host memory:
   the device holds `offloaded_scan.WEIGHT_LAYERS_ON_DEVICE` layers of their weights and
-  `offloaded_scan.GRAD_LAYERS_ON_DEVICE` of their gradients during the forward and backward passes, and
-  after them the update streams (weights, gradients, state) through the window. Per step the weights cross
-  the link four times (forward, backward, into the update and back) and the gradients twice."""
+  `offloaded_scan.GRAD_LAYERS_ON_DEVICE` of their gradients during the forward and backward
+  passes, and after them the update streams (weights, gradients, state) through the window. Per
+  step the weights cross the link four times (forward, backward, into the update and back) and
+  the gradients twice."""
   weights = sum(nbytes for nbytes, _ in stack)
   per_layer = sum(-(-nbytes // n) for nbytes, n in stack)
   window = e.window_peak

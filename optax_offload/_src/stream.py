@@ -20,9 +20,10 @@ flight while some update computes. XLA:GPU keeps at most two copies in flight: w
 computation per group only half of a group's copies (two in, two out for Adam) could overlap
 compute, hence at least two chunks per group.
 
-Params and gradients that live in host memory (weights offloaded too, `offloaded_scan.offloaded_scan`)
-travel with their leaf's state: their slices arrive with the group, and with `apply` the new params
-are written into the group's param buffer and leave with its state (`_Run.stream_host_params`).
+Params and gradients that live in host memory (weights offloaded too, as `offloaded_scan` leaves
+them) travel with their leaf's state: their slices arrive with the group, and with `apply` the new
+params are written into the group's param buffer and leave with its state
+(`_Run.stream_host_params`).
 
 With ``placement="host"`` each group's update runs on the host next to its state
 (``compute_on("device_host")``): only the group's gradients (and params) go to the host and its
