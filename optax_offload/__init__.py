@@ -39,6 +39,11 @@ from optax_offload._src.state import master_params
 from optax_offload._src.state import sync_nvme
 from optax_offload._src.state import tiers
 from optax_offload._src.state import to_inner
+from optax_offload._src.step_time import Hardware
+from optax_offload._src.step_time import KernelCost
+from optax_offload._src.step_time import Timeline
+from optax_offload._src.step_time import hardware
+from optax_offload._src.step_time import timeline
 from optax_offload._src.transform import OffloadState
 from optax_offload._src.transform import abstract_state
 from optax_offload._src.transform import offload
@@ -52,6 +57,8 @@ __all__ = (
   "Bandwidths",
   "Estimate",
   "GpuProgram",
+  "Hardware",
+  "KernelCost",
   "LeafInfo",
   "NvmeCorruptionError",
   "NvmeError",
@@ -65,6 +72,7 @@ __all__ = (
   "Plan",
   "STREAM_XLA_OPTIONS",
   "Tier",
+  "Timeline",
   "abstract_state",
   "close_nvme",
   "compile_for_gpu",
@@ -72,6 +80,7 @@ __all__ = (
   "estimate",
   "footprint",
   "format_bytes",
+  "hardware",
   "make_plan",
   "master_params",
   "measure_bandwidths",
@@ -81,6 +90,7 @@ __all__ = (
   "parse_bytes",
   "sync_nvme",
   "tiers",
+  "timeline",
   "to_inner",
   "to_pinned_host",
   "update_and_apply",
