@@ -60,7 +60,7 @@ MATMUL_FLOPS = 2 * 4096**3
 def test_a_copy_overlapping_a_matmul_costs_only_what_the_matmul_does_not_hide(copy_rows):
   t = step_time.timeline(copy_and_matmul(copy_rows, wait_first=False), HW)
   copy = copy_rows * 1024 * 4 / HW.h2d_bandwidth
-  kernel = HW.launch_s + gemm_s(MATMUL_FLOPS)
+  kernel = HW.launch_s + max(gemm_s(MATMUL_FLOPS), memory_s(3 * 4096 * 4096 * 2))
   assert t.bytes_to_device == copy_rows * 1024 * 4
   assert t.step_s == pytest.approx(max(copy, kernel))
   assert t.transfer_wait_s == pytest.approx(max(0.0, copy - kernel))
@@ -120,7 +120,8 @@ def test_a_loop_runs_its_known_trip_count_and_nested_loops_multiply(trip_count, 
   runs = trip_count * (inner or 1)
   assert t.launches == runs
   assert t.gemm_flops == runs * 2 * 1024**3
-  assert t.step_s == pytest.approx(runs * max(HW.launch_s + gemm_s(2 * 1024**3), 0))
+  kernel = HW.launch_s + max(gemm_s(2 * 1024**3), memory_s(3 * 1024 * 1024 * 2))
+  assert t.step_s == pytest.approx(runs * kernel)
   (cost,) = t.kernel_costs
   assert cost.executions == runs
 
@@ -176,7 +177,7 @@ def test_a_copy_started_in_one_iteration_and_waited_in_the_next(rows):
   n = 6
   t = step_time.timeline(prefetching_loop(n, rows), HW)
   c = rows * 1024 * 4 / HW.h2d_bandwidth
-  k = HW.launch_s + gemm_s(2 * 2048**3)
+  k = HW.launch_s + max(gemm_s(2 * 2048**3), memory_s(3 * 2048 * 2048 * 2))
   assert t.bytes_to_device == (n + 1) * rows * 1024 * 4
   if c > k:  # copy-bound: every iteration waits for the copy the previous one started
     assert t.step_s == pytest.approx((n + 1) * c)

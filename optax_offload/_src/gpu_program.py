@@ -32,11 +32,15 @@ import re
 import time
 from collections.abc import Callable
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
 
 from optax_offload._src import _compat
+
+if TYPE_CHECKING:  # step_time imports this module
+  from optax_offload._src import step_time
 
 TARGETS = ("h100_80gb", "h100_24gb", "rtx4090_24gb")
 """Target configs shipped with the package (``GpuTargetConfigProto`` text): XLA's H100 SXM spec, the
@@ -281,7 +285,9 @@ class GpuProgram:
   def schedule(self) -> Schedule:
     return parse_schedule(self.hlo)
 
-  def timeline(self, hardware=None, **kwargs):
+  def timeline(
+    self, hardware: step_time.Hardware | None = None, **kwargs: Any
+  ) -> step_time.Timeline:
     """The modelled step time of this program (`step_time.timeline`): a model, not a
     measurement. `hardware` defaults to the rates of this program's target with a desktop host.
     """
