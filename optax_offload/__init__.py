@@ -43,6 +43,11 @@ from optax_offload._src.plan import Tier
 from optax_offload._src.plan import describe_plan
 from optax_offload._src.plan import make_plan
 from optax_offload._src.state import OffloadState
+from optax_offload._src.step_time import Hardware
+from optax_offload._src.step_time import KernelCost
+from optax_offload._src.step_time import Timeline
+from optax_offload._src.step_time import hardware
+from optax_offload._src.step_time import timeline
 from optax_offload._src.units import format_bytes
 from optax_offload._src.units import parse_bytes
 
@@ -52,6 +57,8 @@ __all__ = (
   "Bandwidths",
   "Estimate",
   "GpuProgram",
+  "Hardware",
+  "KernelCost",
   "LeafInfo",
   "NvmeCorruptionError",
   "NvmeError",
@@ -65,6 +72,7 @@ __all__ = (
   "Plan",
   "STREAM_XLA_OPTIONS",
   "Tier",
+  "Timeline",
   "abstract_state",
   "close_nvme",
   "compile_for_gpu",
@@ -72,6 +80,7 @@ __all__ = (
   "estimate",
   "footprint",
   "format_bytes",
+  "hardware",
   "make_plan",
   "master_params",
   "measure_bandwidths",
@@ -81,6 +90,7 @@ __all__ = (
   "parse_bytes",
   "sync_nvme",
   "tiers",
+  "timeline",
   "to_inner",
   "to_pinned_host",
   "update_and_apply",

@@ -32,14 +32,20 @@ import re
 import time
 from collections.abc import Callable
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
 
 from optax_offload._src import _compat
 
-TARGETS = ("h100_80gb", "h100_24gb")
-"""Target configs shipped with the package (``GpuTargetConfigProto`` text, XLA's H100 SXM spec)."""
+if TYPE_CHECKING:  # step_time imports this module
+  from optax_offload._src import step_time
+
+TARGETS = ("h100_80gb", "h100_24gb", "rtx4090_24gb")
+"""Target configs shipped with the package (``GpuTargetConfigProto`` text): XLA's H100 SXM spec, the
+same with 24 GiB, and an RTX 4090 (sm_89) derived from XLA's A6000 spec with the 4090's figures.
+Each has a ``.toml`` of rates beside it for `step_time.hardware`."""
 
 _TARGET_DIR = os.path.join(os.path.dirname(__file__), "gpu_targets")
 
@@ -278,6 +284,17 @@ class GpuProgram:
   @functools.cached_property
   def schedule(self) -> Schedule:
     return parse_schedule(self.hlo)
+
+  def timeline(
+    self, hardware: step_time.Hardware | None = None, **kwargs: Any
+  ) -> step_time.Timeline:
+    """The modelled step time of this program (`step_time.timeline`): a model, not a
+    measurement. `hardware` defaults to the rates of this program's target with a desktop host.
+    """
+    from optax_offload._src import step_time
+
+    hw = hardware if hardware is not None else step_time.hardware(self.target)
+    return step_time.timeline(self, hw, **kwargs)
 
 
 def target_config(target: str) -> str:
