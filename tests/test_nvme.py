@@ -187,6 +187,31 @@ def test_tensorstore_reads_the_files_and_zarr_json_keeps_the_checksums(tmp_path)
     assert {f.stat().st_size for f in _chunk_files(store, 0, "big")} == {4096}
 
 
+def test_aligned_arrays_are_written_without_a_staging_copy(tmp_path):
+  groups = [[LeafSpec("a", (64, 1024), np.float32)], [LeafSpec("b", (3, 1024), np.float32)]]
+  with NvmeStore(tmp_path, groups, chunk_bytes=64 << 10) as store:
+    probe = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    alignment = nvme.chunk_io.dio_memory_alignment(probe)
+    os.close(probe)
+    if not alignment:
+      pytest.skip(f"the file system of {tmp_path} does not say which memory direct I/O takes")
+    values = _values(groups, 5)
+    # "a" from page-aligned memory: its 4 chunk files (64 KiB each) go straight to disk; "b" is
+    # 12 KiB of a 64 KiB file (padding) and from misaligned memory: staged.
+    aligned = nvme.buffers.aligned_empty(values["a"].nbytes).view(np.float32).reshape(64, 1024)
+    aligned[...] = values["a"]
+    misaligned = np.empty(values["b"].size + 1, np.float32)[1:].reshape(3, 1024)
+    misaligned[...] = values["b"]
+    store.write_initial(0, {"a": aligned, "b": misaligned})
+    assert store.stats["bytes_written_zero_copy"] == values["a"].nbytes
+    _assert_bit_equal(store.read_generation(), values)
+    context = nvme.ts_context()
+    for name in values:
+      path = str(store.leaf_path(0, name))
+      array = ts.open(nvme.zarr3_read_spec(path), context=context).result().read().result()
+      assert array.tobytes() == values[name].tobytes()
+
+
 def _rewrite_as_format_1(store_dir: pathlib.Path, generation: int, groups) -> None:
   """Rewrites a committed generation the way format 1 stored it: crc32c codec inside each chunk."""
   context = nvme.ts_context()
