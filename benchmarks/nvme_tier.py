@@ -23,10 +23,14 @@ Figures (JSON), per size and for the ``--state-gb`` size as the headline:
 * ``io_lower_bound_s`` = bytes read / read bandwidth + bytes written / write bandwidth, with the bytes the
   store actually read and wrote during the step (its ``stats``); ``step_over_io_bound`` = step time / that
   (target <= 1.15);
-* ``cpu_s_per_gb_moved`` = the step's process CPU time / GB read and written (the update's own
+* ``cpu_s_per_gb_moved`` = the step's process CPU time (less this benchmark's RSS sampler thread)
+  / GB read and written (the update's own
   arithmetic and JAX's callback copies included), ``io_cpu_s_per_gb_moved`` = the same less the CPU
   time of the same update with the state in host RAM (what the NVMe tier adds; target <= 0.3), and
-  ``raw_cpu_s_per_gb`` the raw disk's; ``tier_read_GBps`` / ``tier_write_GBps``: bytes the store read
+  ``raw_cpu_s_per_gb`` the raw disk's; ``store_cpu_s_per_gb_moved``: the CPU time of the store's own
+  threads (chunk I/O, writer, prefetcher, committer, fsync; from ``/proc/self/task``) per GB moved,
+  the rest being the update's and JAX's (its callbacks copy each fetched group into XLA's buffers
+  and each put group out of them); ``tier_read_GBps`` / ``tier_write_GBps``: bytes the store read
   or wrote / the time its reads or writes took (they overlap each other and the update);
 * ``moved_over_raw`` = (NVMe state bytes read + written, nominally 2 x NVMe bytes) per second / the raw
   bandwidth of that read/write mix (target >= 0.85);
@@ -158,13 +162,18 @@ def _start(state_gb: float, args) -> _Tier:
 
 
 def _nvme_options(args) -> dict:
-  return {
+  import optax_offload as oo
+
+  options = {
     "prefetch_depth": args.prefetch_depth,
     "write_depth": args.write_depth,
     "chunk_bytes": args.chunk_mib << 20,
     "io_threads": args.io_threads,
     "direct_io": not args.no_direct_io,
   }
+  # Only the options this version of the store has (to run this against older ones).
+  fields = {f.name for f in dataclasses.fields(oo.NvmeOptions)}
+  return {k: v for k, v in options.items() if k in fields}
 
 
 def _timed_rep(t: _Tier, cache: str) -> dict:
@@ -175,9 +184,13 @@ def _timed_rep(t: _Tier, cache: str) -> dict:
   disk = _raw(t, nvme)
   oo.sync_nvme(t.state)
   _common.evict_cache(t.directory, cache)
-  before = t.store.stats
+  before, threads = t.store.stats, _thread_cpu()
   t.params, t.state, rec = _common.timed_step(t.step, t.params, t.state, t.grads, oo.sync_nvme)
   stats = _delta(t.store.stats, before)
+  by_thread = _delta_cpu(_thread_cpu(), threads)
+  # The benchmark's own RSS sampler (a /proc read every 5 ms) is not the step's work.
+  rec["sampler_cpu_s"] = by_thread.pop("rss-sampler", 0.0)
+  rec["cpu_s"] -= rec["sampler_cpu_s"]
   bound = stats["bytes_read"] / disk["read_Bps"] + stats["bytes_written"] / disk["write_Bps"]
   nominal = nvme / disk["read_Bps"] + nvme / disk["write_Bps"]
   moved = (stats["bytes_read"] + stats["bytes_written"]) / GB
@@ -191,10 +204,47 @@ def _timed_rep(t: _Tier, cache: str) -> dict:
     "moved_over_raw": nominal / rec["step_s"],
     "moved_gb": moved,
     "step_cpu_s_per_gb_moved": rec["cpu_s"] / moved,
-    "tier_read_GBps": _rate(stats["bytes_read"], stats["read_ns"]),
-    "tier_write_GBps": _rate(stats["bytes_written"], stats["write_ns"]),
+    "cpu_s_by_thread": by_thread,
+    "store_cpu_s_per_gb_moved": sum(v for k, v in by_thread.items() if k.startswith("nvme"))
+    / moved,
+    # None with a store that does not time its reads and writes (to run this against older ones).
+    "tier_read_GBps": _rate(stats["bytes_read"], stats.get("read_ns")),
+    "tier_write_GBps": _rate(stats["bytes_written"], stats.get("write_ns")),
     "stats": stats,
   }
+
+
+def _thread_cpu() -> dict[tuple[int, str], float]:
+  """CPU seconds of each thread of this process so far, by (native id, name); {} if unknown."""
+  import threading
+
+  names = {t.native_id: t.name for t in threading.enumerate()}
+  out = {}
+  try:
+    tids = os.listdir("/proc/self/task")
+  except OSError:
+    return out
+  tick = os.sysconf("SC_CLK_TCK")
+  for tid in tids:
+    try:
+      with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+      with open(f"/proc/self/task/{tid}/comm") as f:
+        comm = f.read().strip()
+    except OSError:  # the thread ended
+      continue
+    out[(int(tid), names.get(int(tid), comm))] = (int(fields[11]) + int(fields[12])) / tick
+  return out
+
+
+def _delta_cpu(after: dict, before: dict) -> dict[str, float]:
+  """CPU seconds per kind of thread between two `_thread_cpu` readings (``nvme-read-3`` ->
+  ``nvme-read``; threads named by the OS, e.g. XLA's, by that name)."""
+  out: dict[str, float] = {}
+  for (tid, name), cpu in after.items():
+    kind = name.rstrip("0123456789").rstrip("-") if name.startswith("nvme") else name
+    out[kind] = out.get(kind, 0.0) + cpu - before.get((tid, name), 0.0)
+  return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
 
 
 def _rate(nbytes: int, ns: int) -> float | None:
@@ -326,7 +376,11 @@ def _result(
   state_gb, args, t: _Tier, reps, warm, rss, stats_total, host_step_s, host_cpu_s
 ) -> dict:
   """The figures of one size: medians over `reps`, RSS against its bound, the host-tier step."""
-  med = lambda key: statistics.median(r[key] for r in reps if r[key] is not None)  # noqa: E731
+
+  def med(key):
+    values = [r[key] for r in reps if r[key] is not None]
+    return statistics.median(values) if values else None
+
   fp, peak = t.footprint, rss["peak_steps"]
   return {
     "state_gb": state_gb,
@@ -350,6 +404,7 @@ def _result(
     "raw_write_GBps": med("raw_write_GBps"),
     "raw_read_GBps": med("raw_read_GBps"),
     "raw_cpu_s_per_gb": med("raw_cpu_s_per_gb"),
+    "store_cpu_s_per_gb_moved": med("store_cpu_s_per_gb_moved"),
     "tier_read_GBps": med("tier_read_GBps"),
     "tier_write_GBps": med("tier_write_GBps"),
     "step_over_io_bound": med("step_over_io_bound"),
@@ -422,7 +477,8 @@ def _print_size(r: dict) -> None:
   print(
     f"  CPU per GB moved: step {r['cpu_s_per_gb_moved']:.2f} s, less the host-RAM update's "
     f"{r['io_cpu_s_per_gb_moved']:.2f} s, raw disk {r['raw_cpu_s_per_gb']:.3f} s; the store read "
-    f"{r['tier_read_GBps']:.2f} GB/s and wrote {r['tier_write_GBps']:.2f} GB/s while busy"
+    f"{_fmt(r['tier_read_GBps'])} GB/s and wrote {_fmt(r['tier_write_GBps'])} GB/s while busy; "
+    f"the store's threads {r['store_cpu_s_per_gb_moved']:.2f} s"
   )
   for i, so in enumerate(r.get("store_only", [])):
     print(
@@ -442,6 +498,11 @@ def _print_size(r: dict) -> None:
       f"(prefetch hits {s['prefetch_hits']}, buffer hits {s['buffer_hits']}, misses {s['misses']}, "
       f"waits {s['waits']})"
     )
+    print(f"    CPU s by thread: {rep['cpu_s_by_thread']}")
+
+
+def _fmt(x: float | None) -> str:
+  return "-" if x is None else f"{x:.2f}"
 
 
 def _parser() -> argparse.ArgumentParser:
