@@ -11,9 +11,11 @@ Why not TensorStore itself (measured on this project's 2-core VM, 1 GB written t
 with the ``crc32c`` codec 2.5-2.6 CPU-s per GB written and 2.8-3.0 per GB read; without it
 0.7-0.8 and 0.7-1.7; with ``file_io_mode: direct`` as well 0.5 and 0.8 (TensorStore uses direct
 I/O for reads only, and only when a read's block-rounded end lies inside the file; it writes
-through the page cache, to a lock file that it then renames). This path: 0.35-0.45 per GB written
-(copy 0.18-0.25, checksum 0.08-0.10, the write itself 0.08-0.11) and 0.15-0.2 per GB read, where
-O_DIRECT reads and writes of the same bytes, without checksums, took 0.1-0.15.
+through the page cache, to a lock file that it then renames). This path, in a prototype: 0.35-0.45
+per GB written (copy 0.18-0.25, checksum 0.08-0.10, the write itself 0.08-0.11) and 0.15-0.2 per GB
+read, where O_DIRECT reads and writes of the same bytes, without checksums, took 0.1-0.15; in the
+store (`benchmarks/nvme_tier.py`, 1 GB of state), the chunk threads took 0.34-0.44 CPU-s per GB
+written and 0.14-0.22 per GB read.
 
 Where the file system says (``statx``'s ``STATX_DIOALIGN``) that direct I/O takes memory as
 aligned as the array being written, whole pieces are written straight from the array, with no
