@@ -257,6 +257,31 @@ def test_format_1_stores_are_read_and_continued(tmp_path):
       store.fetch(2, 5)
 
 
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_read_region_reads_and_verifies_boxes_of_either_format(tmp_path, fmt):
+  groups = [[LeafSpec("x", (40, 50), np.float32)]]
+  values = _values(groups, 6)
+  with NvmeStore(tmp_path, groups, chunk_bytes=_CHUNK) as store:  # chunks of 20 rows
+    store.write_initial(0, values)
+    path = store.leaf_path(0, "x")
+  if fmt == 1:
+    _rewrite_as_format_1(tmp_path, 0, groups)
+  box = [(15, 33), (7, 50)]  # rows of both chunks
+  got = nvme.read_region(path, (40, 50), box)
+  np.testing.assert_array_equal(got, values["x"][15:33, 7:50])
+  with pytest.raises(ValueError, match=r"shape is \[40, 50\], expected \[40, 51\]"):
+    nvme.read_region(path, (40, 51), box)
+  chunk = sorted((path / "c").rglob("*"))[-1]  # c/1/0: rows 20-39
+  data = bytearray(chunk.read_bytes())
+  data[8] ^= 0x04
+  chunk.write_bytes(bytes(data))
+  np.testing.assert_array_equal(
+    nvme.read_region(path, (40, 50), [(0, 20), (0, 50)]), values["x"][:20]
+  )
+  with pytest.raises(ValueError, match="x/c/1/0"):  # the file, named (a checksum mismatch)
+    nvme.read_region(path, (40, 50), box)
+
+
 def test_a_newer_format_is_refused(tmp_path):
   with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
     store.write_initial(0, _values(_GROUPS, 0))
