@@ -3,9 +3,12 @@
 One run measures, for each state size, in a fresh subprocess (so peak RSS belongs to that size alone):
 
 * the disk's raw sequential bandwidth: ``O_DIRECT`` writes (then ``fdatasync``) and reads of a file the
-  size of the NVMe state, from page-aligned (mmap) buffers on a few threads;
+  size of the NVMe state, from page-aligned (mmap) buffers on a few threads, and the CPU time that took;
 * the jitted NVMe-tier step (params and state donated, ``optax.adamw``, grads held fixed), with nearly all
-  of the Adam state on NVMe (``host_limit`` = the state of ``--host-leaves`` leaves).
+  of the Adam state on NVMe (``host_limit`` = the state of ``--host-leaves`` leaves);
+* the store alone (``--store-reps``, after the steps): the same leaves written as one generation
+  (put, commit, durable) and read back group by group (fetch, with prefetch), without JAX, each
+  after its own raw-disk measurement: the data path against the disk, in GB/s and CPU-s per GB.
 
 Raw bandwidth and tier step alternate (raw, step, raw, step, ...), so disk noise from other tenants hits
 both alike; each step is compared with the raw figures measured just before it. Before each timed step the
@@ -20,6 +23,15 @@ Figures (JSON), per size and for the ``--state-gb`` size as the headline:
 * ``io_lower_bound_s`` = bytes read / read bandwidth + bytes written / write bandwidth, with the bytes the
   store actually read and wrote during the step (its ``stats``); ``step_over_io_bound`` = step time / that
   (target <= 1.15);
+* ``cpu_s_per_gb_moved`` = the step's process CPU time (less this benchmark's RSS sampler thread)
+  / GB read and written (the update's own
+  arithmetic and JAX's callback copies included), ``io_cpu_s_per_gb_moved`` = the same less the CPU
+  time of the same update with the state in host RAM (what the NVMe tier adds; target <= 0.3), and
+  ``raw_cpu_s_per_gb`` the raw disk's; ``store_cpu_s_per_gb_moved``: the CPU time of the store's own
+  threads (chunk I/O, writer, prefetcher, committer, fsync; from ``/proc/self/task``) per GB moved,
+  the rest being the update's and JAX's (its callbacks copy each fetched group into XLA's buffers
+  and each put group out of them); ``tier_read_GBps`` / ``tier_write_GBps``: bytes the store read
+  or wrote / the time its reads or writes took (they overlap each other and the update);
 * ``moved_over_raw`` = (NVMe state bytes read + written, nominally 2 x NVMe bytes) per second / the raw
   bandwidth of that read/write mix (target >= 0.85);
 * ``rss_over_bound`` = peak RSS during the NVMe steps / (host_limit + params + grads + the store's
@@ -108,7 +120,8 @@ def _start(state_gb: float, args) -> _Tier:
   directory = os.path.join(args.dir, f"state_{state_gb:g}gb")
   shutil.rmtree(directory, ignore_errors=True)
   os.makedirs(directory)
-  need = 4 * state_bytes + state_bytes  # store: up to 4 generations; raw file: 1 more
+  # store: up to 4 generations; raw file: 1 more; the store alone: 2 more
+  need = (4 + 1 + (2 if args.store_reps else 0)) * state_bytes
   if _common.disk_free_bytes(directory) < need:
     raise SystemExit(
       f"{directory}: needs {need / GB:.1f} GB free, has "
@@ -149,11 +162,18 @@ def _start(state_gb: float, args) -> _Tier:
 
 
 def _nvme_options(args) -> dict:
-  return {
+  import optax_offload as oo
+
+  options = {
     "prefetch_depth": args.prefetch_depth,
     "write_depth": args.write_depth,
     "chunk_bytes": args.chunk_mib << 20,
+    "io_threads": args.io_threads,
+    "direct_io": not args.no_direct_io,
   }
+  # Only the options this version of the store has (to run this against older ones).
+  fields = {f.name for f in dataclasses.fields(oo.NvmeOptions)}
+  return {k: v for k, v in options.items() if k in fields}
 
 
 def _timed_rep(t: _Tier, cache: str) -> dict:
@@ -161,23 +181,128 @@ def _timed_rep(t: _Tier, cache: str) -> dict:
   import optax_offload as oo
 
   nvme = t.footprint["nvme"]
-  disk = t.raw.measure(nvme)
+  disk = _raw(t, nvme)
   oo.sync_nvme(t.state)
   _common.evict_cache(t.directory, cache)
-  before = t.store.stats
+  before, threads = t.store.stats, _thread_cpu()
   t.params, t.state, rec = _common.timed_step(t.step, t.params, t.state, t.grads, oo.sync_nvme)
   stats = _delta(t.store.stats, before)
+  by_thread = _delta_cpu(_thread_cpu(), threads)
+  # The benchmark's own RSS sampler (a /proc read every 5 ms) is not the step's work.
+  rec["sampler_cpu_s"] = by_thread.pop("rss-sampler", 0.0)
+  rec["cpu_s"] -= rec["sampler_cpu_s"]
   bound = stats["bytes_read"] / disk["read_Bps"] + stats["bytes_written"] / disk["write_Bps"]
   nominal = nvme / disk["read_Bps"] + nvme / disk["write_Bps"]
+  moved = (stats["bytes_read"] + stats["bytes_written"]) / GB
   return {
     "raw_write_GBps": disk["write_Bps"] / GB,
     "raw_read_GBps": disk["read_Bps"] / GB,
+    "raw_cpu_s_per_gb": disk["cpu_s_per_gb"],
     **rec,
     "io_lower_bound_s": bound,
     "step_over_io_bound": rec["step_s"] / bound,
     "moved_over_raw": nominal / rec["step_s"],
+    "moved_gb": moved,
+    "step_cpu_s_per_gb_moved": rec["cpu_s"] / moved,
+    "cpu_s_by_thread": by_thread,
+    "store_cpu_s_per_gb_moved": sum(v for k, v in by_thread.items() if k.startswith("nvme"))
+    / moved,
+    # None with a store that does not time its reads and writes (to run this against older ones).
+    "tier_read_GBps": _rate(stats["bytes_read"], stats.get("read_ns")),
+    "tier_write_GBps": _rate(stats["bytes_written"], stats.get("write_ns")),
     "stats": stats,
   }
+
+
+def _thread_cpu() -> dict[tuple[int, str], float]:
+  """CPU seconds of each thread of this process so far, by (native id, name); {} if unknown."""
+  import threading
+
+  names = {t.native_id: t.name for t in threading.enumerate()}
+  out = {}
+  try:
+    tids = os.listdir("/proc/self/task")
+  except OSError:
+    return out
+  tick = os.sysconf("SC_CLK_TCK")
+  for tid in tids:
+    try:
+      with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+      with open(f"/proc/self/task/{tid}/comm") as f:
+        comm = f.read().strip()
+    except OSError:  # the thread ended
+      continue
+    out[(int(tid), names.get(int(tid), comm))] = (int(fields[11]) + int(fields[12])) / tick
+  return out
+
+
+def _delta_cpu(after: dict, before: dict) -> dict[str, float]:
+  """CPU seconds per kind of thread between two `_thread_cpu` readings (``nvme-read-3`` ->
+  ``nvme-read``; threads named by the OS, e.g. XLA's, by that name)."""
+  out: dict[str, float] = {}
+  for (tid, name), cpu in after.items():
+    kind = name.rstrip("0123456789").rstrip("-") if name.startswith("nvme") else name
+    out[kind] = out.get(kind, 0.0) + cpu - before.get((tid, name), 0.0)
+  return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+def _rate(nbytes: int, ns: int) -> float | None:
+  return nbytes / GB / (ns / 1e9) if ns else None
+
+
+def _raw(t: _Tier, nbytes: int) -> dict:
+  """The raw disk (O_DIRECT write, fdatasync, read of `nbytes`), with its CPU time per GB moved."""
+  c0 = _common.cpu_seconds()
+  disk = t.raw.measure(nbytes)
+  disk["cpu_s_per_gb"] = (_common.cpu_seconds() - c0) / (2 * disk["bytes"] / GB)
+  return disk
+
+
+def _store_only(t: _Tier, args) -> list[dict]:
+  """The store alone, after the steps: write one generation, read it back; raw disk before each."""
+  import numpy as np
+
+  from optax_offload._src import nvme
+
+  if not args.store_reps:
+    return []
+  groups = t.store.groups
+  arrays = [[np.full(s.shape, 0.25, s.dtype) for s in group] for group in groups]
+  nbytes = sum(a.nbytes for group in arrays for a in group)
+  directory = os.path.join(t.directory, "store_only")
+  out = []
+  with nvme.NvmeStore(directory, groups, **_nvme_options(args)) as store:
+    for _ in range(args.store_reps):
+      disk = _raw(t, nbytes)
+      generation = store.new_generation()
+      c0, t0 = _common.cpu_seconds(), time.perf_counter()
+      for g, group in enumerate(arrays):
+        store.put(g, generation, group)
+      store.commit(generation)
+      store.sync()
+      write_s, write_cpu = time.perf_counter() - t0, _common.cpu_seconds() - c0
+      _common.evict_cache(directory, args.cache)
+      c0, t0 = _common.cpu_seconds(), time.perf_counter()
+      for g in range(len(groups)):
+        store.fetch(g, generation)  # dropped at once: its buffers are read into again
+      read_s, read_cpu = time.perf_counter() - t0, _common.cpu_seconds() - c0
+      out.append(
+        {
+          "bytes": nbytes,
+          "raw_write_GBps": disk["write_Bps"] / GB,
+          "raw_read_GBps": disk["read_Bps"] / GB,
+          "raw_cpu_s_per_gb": disk["cpu_s_per_gb"],
+          "write_GBps": nbytes / GB / write_s,
+          "read_GBps": nbytes / GB / read_s,
+          "write_cpu_s_per_gb": write_cpu / (nbytes / GB),
+          "read_cpu_s_per_gb": read_cpu / (nbytes / GB),
+          "write_over_raw": (nbytes / write_s) / disk["write_Bps"],
+          "read_over_raw": (nbytes / read_s) / disk["read_Bps"],
+        }
+      )
+  shutil.rmtree(directory, ignore_errors=True)
+  return out
 
 
 def _warm_step_s(t: _Tier, steps: int) -> float | None:
@@ -237,14 +362,25 @@ def run_size(state_gb: float, args) -> dict:
   # does besides its I/O. On a CPU-only machine both share its cores.
   host = oo.offload(optax.adamw(1e-3), window_bytes=t.window)
   host_runs = _common.time_variants({"host": host}, t.params, t.grads, args.reps, copy=False)
-  result = _result(state_gb, args, t, reps, warm, rss, stats_total, host_runs["host"].median())
+  host_run = host_runs["host"]
+  result = _result(
+    state_gb, args, t, reps, warm, rss, stats_total, host_run.median(), host_run.median("cpu_s")
+  )
+  del host_runs, host_run
+  result["store_only"] = _store_only(t, args)
   shutil.rmtree(t.directory, ignore_errors=True)
   return result
 
 
-def _result(state_gb, args, t: _Tier, reps, warm, rss, stats_total, host_step_s) -> dict:
+def _result(
+  state_gb, args, t: _Tier, reps, warm, rss, stats_total, host_step_s, host_cpu_s
+) -> dict:
   """The figures of one size: medians over `reps`, RSS against its bound, the host-tier step."""
-  med = lambda key: statistics.median(r[key] for r in reps)  # noqa: E731
+
+  def med(key):
+    values = [r[key] for r in reps if r[key] is not None]
+    return statistics.median(values) if values else None
+
   fp, peak = t.footprint, rss["peak_steps"]
   return {
     "state_gb": state_gb,
@@ -262,9 +398,15 @@ def _result(state_gb, args, t: _Tier, reps, warm, rss, stats_total, host_step_s)
     "step_return_s": med("step_return_s"),
     "cpu_s": med("cpu_s"),
     "cpu_s_per_gb_moved": med("cpu_s") / (2 * fp["nvme"] / GB),
+    "io_cpu_s_per_gb_moved": (med("cpu_s") - host_cpu_s) / (2 * fp["nvme"] / GB),
+    "host_tier_cpu_s": host_cpu_s,
     "io_lower_bound_s": med("io_lower_bound_s"),
     "raw_write_GBps": med("raw_write_GBps"),
     "raw_read_GBps": med("raw_read_GBps"),
+    "raw_cpu_s_per_gb": med("raw_cpu_s_per_gb"),
+    "store_cpu_s_per_gb_moved": med("store_cpu_s_per_gb_moved"),
+    "tier_read_GBps": med("tier_read_GBps"),
+    "tier_write_GBps": med("tier_write_GBps"),
     "step_over_io_bound": med("step_over_io_bound"),
     "moved_over_raw": med("moved_over_raw"),
     "warm_cache_step_s": warm,
@@ -332,16 +474,35 @@ def _print_size(r: dict) -> None:
     f"  same update, whole state in host RAM: {r['host_tier_step_s']:.2f} s; step / (I/O bound + "
     f"that) = {r['step_over_io_bound_plus_compute']:.2f}"
   )
+  print(
+    f"  CPU per GB moved: step {r['cpu_s_per_gb_moved']:.2f} s, less the host-RAM update's "
+    f"{r['io_cpu_s_per_gb_moved']:.2f} s, raw disk {r['raw_cpu_s_per_gb']:.3f} s; the store read "
+    f"{_fmt(r['tier_read_GBps'])} GB/s and wrote {_fmt(r['tier_write_GBps'])} GB/s while busy; "
+    f"the store's threads {r['store_cpu_s_per_gb_moved']:.2f} s"
+  )
+  for i, so in enumerate(r.get("store_only", [])):
+    print(
+      f"  store alone {i}: write {so['write_GBps']:.2f} GB/s ({so['write_over_raw']:.2f} of raw "
+      f"{so['raw_write_GBps']:.2f}) at {so['write_cpu_s_per_gb']:.2f} CPU-s/GB, read "
+      f"{so['read_GBps']:.2f} GB/s ({so['read_over_raw']:.2f} of raw {so['raw_read_GBps']:.2f}) at "
+      f"{so['read_cpu_s_per_gb']:.2f} CPU-s/GB; raw {so['raw_cpu_s_per_gb']:.3f} CPU-s/GB"
+    )
   for i, rep in enumerate(r["reps"]):
     s = rep["stats"]
     print(
       f"  rep {i}: step {rep['step_s']:.2f} s (CPU {rep['cpu_s']:.2f} s, page faults "
       f"{rep['minor_fault_bytes'] / GB:.1f} GB), bound "
-      f"{rep['io_lower_bound_s']:.2f} s, read "
+      f"{rep['io_lower_bound_s']:.2f} s (raw write {rep['raw_write_GBps']:.2f}, read "
+      f"{rep['raw_read_GBps']:.2f} GB/s), read "
       f"{s['bytes_read'] / GB:.2f} GB, written {s['bytes_written'] / GB:.2f} GB, fetches {s['fetches']} "
       f"(prefetch hits {s['prefetch_hits']}, buffer hits {s['buffer_hits']}, misses {s['misses']}, "
       f"waits {s['waits']})"
     )
+    print(f"    CPU s by thread: {rep['cpu_s_by_thread']}")
+
+
+def _fmt(x: float | None) -> str:
+  return "-" if x is None else f"{x:.2f}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -363,6 +524,13 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--prefetch-depth", type=int, default=1)
   parser.add_argument("--write-depth", type=int, default=1)
   parser.add_argument("--chunk-mib", type=int, default=16)
+  parser.add_argument("--io-threads", type=int, default=4, help="store: chunk I/O threads each way")
+  parser.add_argument(
+    "--no-direct-io", action="store_true", help="store: through the page cache, not O_DIRECT"
+  )
+  parser.add_argument(
+    "--store-reps", type=int, default=2, help="store-alone write/read rounds after the steps"
+  )
   parser.add_argument(
     "--block-mib", type=int, default=4, help="raw disk: bytes per O_DIRECT request"
   )
@@ -414,10 +582,12 @@ def main(argv=None) -> dict:
     "step_over_io_bound": head["step_over_io_bound"],
     "moved_over_raw": head["moved_over_raw"],
     "rss_over_bound": head["rss_over_bound"],
+    "io_cpu_s_per_gb_moved": head["io_cpu_s_per_gb_moved"],
     "targets": {
       "step_over_io_bound": "<= 1.15",
       "moved_over_raw": ">= 0.85",
       "rss_over_bound": "<= 1.10",
+      "io_cpu_s_per_gb_moved": "<= 0.3",
     },
     "sizes": [runs[s] for s in sizes],
   }
@@ -433,7 +603,9 @@ def main(argv=None) -> dict:
   print(
     f"headline ({args.state_gb:g} GB): step/IO-bound {result['step_over_io_bound']:.2f} (<= 1.15), "
     f"moved/raw {result['moved_over_raw']:.2f} (>= 0.85), RSS/bound {result['rss_over_bound']:.2f} "
-    f"(<= 1.10); load {start_load['loadavg']} -> {result['load_end']['loadavg']}"
+    f"(<= 1.10), CPU-s per GB moved beyond the host-RAM update "
+    f"{result['io_cpu_s_per_gb_moved']:.2f} (<= 0.3); load {start_load['loadavg']} -> "
+    f"{result['load_end']['loadavg']}"
   )
   _common.write_json(result, args.out)
   try:

@@ -1,7 +1,9 @@
 """Tests for the NVMe store (`optax_offload/_src/nvme/`): protocol, files on disk, locks and crashes."""
 
 import contextlib
+import errno
 import gc
+import json
 import os
 import pathlib
 import queue
@@ -15,6 +17,8 @@ import ml_dtypes
 import numpy as np
 import nvme_child as child
 import pytest
+import tensorstore as ts
+import xxhash
 from helpers import child_env
 from helpers import start_child
 
@@ -100,19 +104,50 @@ def test_chunk_shape_splits_leading_axes():
   assert nvme_format.chunk_shape((4, 1000), 4, 400) == (1, 100)
   assert nvme_format.chunk_shape((), 4, 400) == ()
   assert nvme_format.chunk_shape((0, 3), 4, 400) == (1, 3)
-  # Equal parts: 4 chunks of 12500 rows rather than 3 of 16384 and a padded one.
-  assert nvme_format.chunk_shape((50_000,), 4, 64 << 10) == (12_500,)
+  # About equal parts: 4 chunks rather than 3 of 16384 rows and a padded one, each rounded up to
+  # 4 KiB (13312 rows) so that every chunk starts at an aligned offset of the array.
+  assert nvme_format.chunk_shape((50_000,), 4, 64 << 10) == (13_312,)
+  # Unless that takes more parts: 3 chunks of 1024 rows would be one 4 KiB chunk too many.
+  assert nvme_format.chunk_shape((3000,), 2, 4096) == (2048,)
+  assert nvme_format.chunk_shape((40, 50), 4, 4096) == (20, 50)
   assert nvme_format.chunk_shape((10,), 4, 12) == (3,)
 
 
+def test_slab_layout_places_chunks_in_the_array():
+  layout = nvme_format.slab_layout((50_000,), 4, (13_312,))
+  assert [c.offset for c in layout.chunks] == [0, 53_248, 106_496, 159_744]
+  assert [c.nbytes for c in layout.chunks] == [53_248] * 3 + [200_000 - 159_744]
+  assert all(layout.in_place(c) for c in layout.chunks)
+  # The last chunk's padding is read in place too: the buffer has room for its whole file.
+  assert layout.buffer_nbytes == 4 * 53_248
+  # Leading axes of chunk size 1: a row's edge chunk is followed by the next row's data.
+  layout = nvme_format.slab_layout((4, 1000), 4, (1, 300))
+  assert [c.key for c in layout.chunks[:5]] == ["c/0/0", "c/0/1", "c/0/2", "c/0/3", "c/1/0"]
+  # Read apart: files of 1200 bytes (a direct read moves whole blocks, past the file's end).
+  assert not any(layout.in_place(c) for c in layout.chunks[:-1])
+  assert layout.in_place(layout.chunks[-1]) is False  # at offset 3900 * 4
+  layout = nvme_format.slab_layout((4, 2048), 4, (1, 1024))
+  assert all(layout.in_place(c) for c in layout.chunks)
+  assert nvme_format.slab_layout((4, 1000), 4, (2, 300)) is None
+  assert [c.key for c in nvme_format.slab_layout((), 8, ()).chunks] == ["c"]
+  assert nvme_format.slab_layout((0, 3), 4, (1, 3)).chunks == ()
+
+
+_MORE_GROUPS = _GROUPS + [
+  [LeafSpec("scalar", (), np.float64), LeafSpec("flags", (9,), np.bool_)],
+  [LeafSpec("u4", (11,), ml_dtypes.uint4), LeafSpec("f8", (2, 3), ml_dtypes.float8_e4m3fn)],
+  # With 4 KiB chunks: (1, 1024) chunks, each row's last one an edge chunk followed by the next
+  # row, and rows at unaligned offsets: read apart, not in place.
+  [LeafSpec("rows", (4, 3000), np.float32), LeafSpec("empty", (0, 3), np.float32)],
+]
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "page_cache"])
 @pytest.mark.parametrize("chunk_bytes", [_CHUNK, 1 << 20])
-def test_round_trip_dtypes_and_shapes(tmp_path, chunk_bytes):
-  groups = _GROUPS + [
-    [LeafSpec("scalar", (), np.float64), LeafSpec("flags", (9,), np.bool_)],
-    [LeafSpec("u4", (11,), ml_dtypes.uint4), LeafSpec("f8", (2, 3), ml_dtypes.float8_e4m3fn)],
-  ]
+def test_round_trip_dtypes_and_shapes(tmp_path, chunk_bytes, direct_io):
+  groups = _MORE_GROUPS
   values = _values(groups, 0)
-  with NvmeStore(tmp_path, groups, chunk_bytes=chunk_bytes) as store:
+  with NvmeStore(tmp_path, groups, chunk_bytes=chunk_bytes, direct_io=direct_io) as store:
     store.write_initial(0, values)
     assert store.committed_generation == 0
     _assert_bit_equal(store.read_generation(), values)
@@ -122,9 +157,157 @@ def test_round_trip_dtypes_and_shapes(tmp_path, chunk_bytes):
     for g, group in enumerate(groups):
       for spec, x in zip(group, store.fetch(g, 0), strict=True):
         assert x.tobytes() == values[spec.name].tobytes()
+    assert store._pipeline.io.direct == direct_io  # no fallback to the page cache happened
   with NvmeStore(tmp_path, groups, chunk_bytes=chunk_bytes, create=False) as store:
     assert store.committed_generation == 0
     _assert_bit_equal(store.read_generation(0), values)
+
+
+def test_tensorstore_reads_the_files_and_zarr_json_keeps_the_checksums(tmp_path):
+  values = _values(_MORE_GROUPS, 1)
+  with NvmeStore(tmp_path, _MORE_GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+    context = nvme.ts_context()
+    for group in _MORE_GROUPS:
+      for spec in group:
+        path = store.leaf_path(0, spec.name)
+        array = ts.open(nvme.zarr3_read_spec(str(path)), context=context).result().read().result()
+        assert array.tobytes() == values[spec.name].tobytes(), spec.name
+        meta = json.loads((path / "zarr.json").read_text())
+        assert [c["name"] for c in meta["codecs"]] == ["bytes"]  # no checksum inside the chunks
+        sums = meta["attributes"]["optax_offload"]
+        files = sorted(
+          (p for p in (path / "c").rglob("*") if p.is_file()) if spec.shape else [path / "c"],
+          key=lambda p: [int(x) for x in p.relative_to(path / "c").parts],
+        )
+        assert sums["checksum"] == "xxh3_64" and len(sums["chunks"]) == len(files)
+        for f, digest in zip(files, sums["chunks"]):
+          assert xxhash.xxh3_64_hexdigest(f.read_bytes()) == digest
+    # The chunk files of "big" are whole 4 KiB blocks (the last one padded): direct I/O engages.
+    assert {f.stat().st_size for f in _chunk_files(store, 0, "big")} == {4096}
+
+
+def test_aligned_arrays_are_written_without_a_staging_copy(tmp_path):
+  groups = [[LeafSpec("a", (64, 1024), np.float32)], [LeafSpec("b", (3, 1024), np.float32)]]
+  with NvmeStore(tmp_path, groups, chunk_bytes=64 << 10) as store:
+    probe = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    alignment = nvme.chunk_io.dio_memory_alignment(probe)
+    os.close(probe)
+    if not alignment:
+      pytest.skip(f"the file system of {tmp_path} does not say which memory direct I/O takes")
+    values = _values(groups, 5)
+    # "a" from page-aligned memory: its 4 chunk files (64 KiB each) go straight to disk; "b" is
+    # 12 KiB of a 64 KiB file (padding) and from misaligned memory: staged.
+    aligned = nvme.buffers.aligned_empty(values["a"].nbytes).view(np.float32).reshape(64, 1024)
+    aligned[...] = values["a"]
+    misaligned = np.empty(values["b"].size + 1, np.float32)[1:].reshape(3, 1024)
+    misaligned[...] = values["b"]
+    store.write_initial(0, {"a": aligned, "b": misaligned})
+    assert store.stats["bytes_written_zero_copy"] == values["a"].nbytes
+    _assert_bit_equal(store.read_generation(), values)
+    context = nvme.ts_context()
+    for name in values:
+      path = str(store.leaf_path(0, name))
+      array = ts.open(nvme.zarr3_read_spec(path), context=context).result().read().result()
+      assert array.tobytes() == values[name].tobytes()
+
+
+def _rewrite_as_format_1(store_dir: pathlib.Path, generation: int, groups) -> None:
+  """Rewrites a committed generation the way format 1 stored it: crc32c codec inside each chunk."""
+  context = nvme.ts_context()
+  for group in groups:
+    for leaf in nvme_format.stored_leaves([group], _CHUNK)[0]:
+      path = store_dir / nvme_format.generation_dirname(generation) / leaf.dirname
+      data = ts.open(nvme.zarr3_read_spec(str(path)), context=context).result().read().result()
+      spec = nvme_format.zarr3_write_spec(
+        str(path), leaf.spec.shape, leaf.zarr_dtype, leaf.chunk_shape, crc32c=True
+      )
+      ts.open(spec, context=context).result().write(data).result()
+  manifest = json.loads((store_dir / "MANIFEST.json").read_text())
+  manifest["version"] = 1
+  (store_dir / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+def test_format_1_stores_are_read_and_continued(tmp_path):
+  values = _values(_GROUPS, 3)
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+  _rewrite_as_format_1(tmp_path, 0, _GROUPS)
+  meta = json.loads((tmp_path / "gen_00000000" / "big" / "zarr.json").read_text())
+  assert [c["name"] for c in meta["codecs"]] == ["bytes", "crc32c"]
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    _assert_bit_equal(store.read_generation(), values)
+    reference = _run_protocol(store, _GROUPS, dict(values), start=0, steps=2)
+    store.sync()
+    _assert_bit_equal(store.read_generation(), reference)
+  manifest = json.loads((tmp_path / "MANIFEST.json").read_text())
+  assert manifest["version"] == nvme_format.FORMAT_VERSION == 2
+  # Corruption of a format 1 chunk is still found (by TensorStore's crc32c codec) and named.
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(5, values)
+  _rewrite_as_format_1(tmp_path, 5, _GROUPS)
+  chunk = sorted((tmp_path / "gen_00000005" / "big" / "c").rglob("*"))[-1]
+  data = bytearray(chunk.read_bytes())
+  data[10] ^= 1
+  chunk.write_bytes(bytes(data))
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    with pytest.raises(
+      NvmeCorruptionError, match="leaf 'big' of generation 5 .*failed verification"
+    ):
+      store.fetch(2, 5)
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_read_region_reads_and_verifies_boxes_of_either_format(tmp_path, fmt):
+  groups = [[LeafSpec("x", (40, 50), np.float32)]]
+  values = _values(groups, 6)
+  with NvmeStore(tmp_path, groups, chunk_bytes=_CHUNK) as store:  # chunks of 20 rows
+    store.write_initial(0, values)
+    path = store.leaf_path(0, "x")
+  if fmt == 1:
+    _rewrite_as_format_1(tmp_path, 0, groups)
+  box = [(15, 33), (7, 50)]  # rows of both chunks
+  got = nvme.read_region(path, (40, 50), box)
+  np.testing.assert_array_equal(got, values["x"][15:33, 7:50])
+  with pytest.raises(ValueError, match=r"shape is \[40, 50\], expected \[40, 51\]"):
+    nvme.read_region(path, (40, 51), box)
+  chunk = sorted((path / "c").rglob("*"))[-1]  # c/1/0: rows 20-39
+  data = bytearray(chunk.read_bytes())
+  data[8] ^= 0x04
+  chunk.write_bytes(bytes(data))
+  np.testing.assert_array_equal(
+    nvme.read_region(path, (40, 50), [(0, 20), (0, 50)]), values["x"][:20]
+  )
+  with pytest.raises(ValueError, match="x/c/1/0"):  # the file, named (a checksum mismatch)
+    nvme.read_region(path, (40, 50), box)
+
+
+def test_a_newer_format_is_refused(tmp_path):
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, _values(_GROUPS, 0))
+  manifest = json.loads((tmp_path / "MANIFEST.json").read_text())
+  manifest["version"] = 3
+  (tmp_path / "MANIFEST.json").write_text(json.dumps(manifest))
+  with pytest.raises(nvme.NvmeError, match="format version 3, newer .*upgrade optax_offload"):
+    NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK)
+
+
+def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch, caplog):
+  real_open = os.open
+
+  def no_direct(path, flags, *args, **kwargs):
+    if flags & getattr(os, "O_DIRECT", 0):
+      raise OSError(errno.EINVAL, "Invalid argument")
+    return real_open(path, flags, *args, **kwargs)
+
+  monkeypatch.setattr(os, "open", no_direct)
+  values = _values(_GROUPS, 4)
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+    reference = _run_protocol(store, _GROUPS, dict(values), start=0, steps=2)
+    _assert_bit_equal(store.read_generation(), reference)
+    assert not store._pipeline.io.direct
+  assert "direct I/O refused" in caplog.text
 
 
 def test_put_rejects_bad_arrays_and_committed_generations(tmp_path):
@@ -187,7 +370,16 @@ def test_cyclic_protocol_matches_numpy(tmp_path, prefetch_depth, write_depth):
     assert stats["prefetch_hits"] == 0
   assert 0 < stats["peak_buffer_bytes"] <= store.host_buffer_bound
   max_group = max(sum(s.nbytes for s in g) for g in _GROUPS)
-  assert store.host_buffer_bound == (prefetch_depth + write_depth + 1) * max_group
+  # Read buffers hold a leaf plus room for its last chunk's padding, page-rounded; writes go
+  # through one staging buffer per I/O thread, as large as the largest chunk file (page-rounded).
+  leaves = nvme_format.stored_leaves(_GROUPS, _CHUNK)
+  max_read = max(sum(leaf.layout.buffer_nbytes for leaf in g) for g in leaves)
+  # Group 2: "big", 6 chunk files of 4 KiB (the last holds 880 of 1024 rows), "count_i32" a page.
+  assert max_read == 4096 * 6 + 4096
+  staging = 4 * 4096
+  assert store.host_buffer_bound == (
+    (prefetch_depth + 1) * max_read + write_depth * max_group + staging
+  )
   store.close()
   store.close()  # Idempotent.
   with pytest.raises(RuntimeError, match="closed"):
@@ -462,7 +654,7 @@ def test_unwritable_directory(tmp_path):
 # Failures: corruption, full disk, I/O errors.
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "metadata"])
+@pytest.mark.parametrize("damage", ["flip", "padding", "truncate", "missing", "metadata"])
 def test_corruption_is_detected(tmp_path, damage):
   values = _values(_GROUPS, 7)
   with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
@@ -473,6 +665,12 @@ def test_corruption_is_detected(tmp_path, damage):
   if damage == "flip":
     data = bytearray(chunk.read_bytes())
     data[100] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    shown = str(chunk)
+  elif damage == "padding":  # past the array's end in the last chunk: the checksum covers it too
+    chunk = _chunk_files(store, 1, "big")[-1]
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0x01
     chunk.write_bytes(bytes(data))
     shown = str(chunk)
   elif damage == "truncate":

@@ -1,6 +1,7 @@
 """Leased read buffers of the NVMe store (`optax_offload/_src/nvme/buffers.py`)."""
 
 import gc
+import mmap
 
 import jax
 import ml_dtypes
@@ -13,9 +14,15 @@ def _address(x) -> int:
   return x.__array_interface__["data"][0]
 
 
+def _typed(lease: np.ndarray, shape, dtype) -> np.ndarray:
+  """What the store returns: a typed view of the first bytes of a lease."""
+  n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+  return lease[:n].view(dtype).reshape(shape)
+
+
 def test_a_buffer_is_lent_again_only_once_every_derived_array_is_gone():
   pool = ReadBuffers(capacity=1 << 20)
-  a = pool.take((64, 4), np.dtype(np.float32))
+  a = _typed(pool.take(4096), (64, 4), np.float32)
   address = _address(a)
   view = a.view()
   view.flags.writeable = False
@@ -23,34 +30,45 @@ def test_a_buffer_is_lent_again_only_once_every_derived_array_is_gone():
   derived = [a[3:5], view[1:2], a.view(np.uint32), memoryview(a.reshape(-1)), view]
   del a, view
   while derived:
-    assert _address(pool.take((64, 4), np.dtype(np.float32))) != address
+    assert _address(pool.take(4096)) != address
     derived.pop()
   gc.collect()
-  assert _address(pool.take((64, 4), np.dtype(np.float32))) == address
+  assert _address(pool.take(4096)) == address
+
+
+def test_buffers_are_page_aligned_for_direct_io():
+  pool = ReadBuffers(capacity=1 << 20)
+  held = [pool.take(n) for n in (4096, 12288, 100)]
+  assert all(_address(x) % mmap.PAGESIZE == 0 for x in held)
+  assert [x.nbytes for x in held] == [4096, 12288, 100]
+  fresh = ReadBuffers(capacity=0).take(8192)  # past the capacity: fresh, aligned too
+  assert _address(fresh) % mmap.PAGESIZE == 0
 
 
 def test_a_zero_copy_jax_array_holds_its_lease():
   pool = ReadBuffers(capacity=1 << 20)
-  a = pool.take((1024,), np.dtype(np.float32))
+  a = _typed(pool.take(4096), (1024,), np.float32)
   a[:] = 1
   address = _address(a)
   held = jax.device_put(a)  # may alias the numpy buffer on CPU
   del a
-  b = pool.take((1024,), np.dtype(np.float32))
+  b = _typed(pool.take(4096), (1024,), np.float32)
   b[:] = 2
   assert float(held[0]) == 1.0
   del held, b
   gc.collect()
-  assert _address(pool.take((1024,), np.dtype(np.float32))) == address
+  assert _address(pool.take(4096)) == address
 
 
 def test_capacity_bounds_the_kept_buffers():
-  pool = ReadBuffers(capacity=3000)
-  first = pool.take((500,), np.dtype(np.float32))  # 2000 bytes: kept
-  fresh = pool.take((500,), np.dtype(np.float32))  # would pass the capacity: not kept
+  pool = ReadBuffers(capacity=3 * 4096)
+  first = pool.take(2 * 4096)  # kept
+  fresh = pool.take(2 * 4096)  # would pass the capacity: not kept
   assert len(pool.addresses()) == 1 and _address(fresh) not in pool.addresses()
   del first
-  other = pool.take((1000,), ml_dtypes.bfloat16)  # the free buffer of another shape makes room
+  other = _typed(
+    pool.take(3 * 4096), (6144,), ml_dtypes.bfloat16
+  )  # the free buffer of another size makes room
   assert pool.addresses() == [_address(other)] and other.dtype == ml_dtypes.bfloat16
-  empty = pool.take((0, 3), np.dtype(np.float32))
+  empty = _typed(pool.take(0), (0, 3), np.float32)
   assert empty.shape == (0, 3)

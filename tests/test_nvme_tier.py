@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 import optax_offload as oo
 from optax_offload._src import nvme
 from optax_offload._src import nvme_tier
+from optax_offload._src.nvme import format as nvme_format
 
 WINDOW = 100_000
 # make_params() has 632 KiB of Adam state off the device; 200 KiB of host keeps 'big' (469 KiB) on NVMe.
@@ -71,7 +72,16 @@ def test_nvme_options_reach_the_store(options, tmp_path):
   try:
     store = nvme_tier.lookup(state.nvme_store).store
     largest = max(sum(spec.nbytes for spec in group) for group in store.groups)
-    assert store.host_buffer_bound == 5 * largest  # (2 + 2 + 1) groups
+    # (2 + 1) groups' read buffers (each leaf page-rounded, with room for its last chunk's
+    # padding), 2 groups waiting to be written, and the write staging of 4 I/O threads.
+    leaves = nvme_format.stored_leaves(store.groups, 16 << 20)
+    read = max(sum(leaf.layout.buffer_nbytes for leaf in group) for group in leaves)
+    assert largest <= read < largest + 4096 * max(len(group) for group in leaves)
+    staging = store._pipeline.io.staging_bytes
+    assert staging == 4 * max(
+      nvme_format.round_up(leaf.layout.file_nbytes) for g in leaves for leaf in g
+    )
+    assert store.host_buffer_bound == 3 * read + 2 * largest + staging
   finally:
     oo.close_nvme(state)
 
@@ -566,7 +576,11 @@ def test_stacked_leaf_streams_in_row_slices_on_nvme(update_on, tmp_path):
       [(f"leaf00001_part{j}_shard0000_rows{a:06d}-{a + 4:06d}", (4, 64, 128)) for j in (0, 1)]
       for a in (0, 4, 8, 12)
     ]
-    assert store.host_buffer_bound == 3 * STACKED_LEAF_BYTES // 4
+    # Read buffers and write-behind: 3 slices (of mu and nu); and the staging of 4 I/O threads,
+    # each as large as one slice's chunk file.
+    staging = store._pipeline.io.staging_bytes
+    assert staging == 4 * STACKED_LEAF_BYTES // 8
+    assert store.host_buffer_bound - staging == 3 * STACKED_LEAF_BYTES // 4
     assert 0 < store.stats["peak_buffer_bytes"] <= store.host_buffer_bound
     oo.sync_nvme(nvme_state)
     gen = tmp_path / "process_0" / f"gen_{int(nvme_state.nvme_generation):08d}"

@@ -14,6 +14,7 @@ from optax_offload._src.nvme.format import LeafSpec
 from optax_offload._src.nvme.format import stored_groups
 from optax_offload._src.nvme.format import ts_context
 from optax_offload._src.nvme.format import zarr3_read_spec
+from optax_offload._src.nvme.leaf_io import read_region
 from optax_offload._src.nvme.options import NvmeOptions
 from optax_offload._src.nvme.store import NvmeStore
 
@@ -26,6 +27,7 @@ __all__ = (
   "NvmeWriteError",
   "StaleGenerationError",
   "fsync_path",
+  "read_region",
   "stored_groups",
   "ts_context",
   "write_json_atomic",

@@ -7,7 +7,8 @@ is garbage-collected, and its finalizer closes the pipeline (flushing queued wor
 Operations are queued in call order: puts (`_Write`), commits (`_Commit`) and pins (`_Pin`). The writer
 thread writes each group and passes commits and pins on, in order, to the committer thread, so that
 fsyncing generation ``g`` overlaps with writing ``g + 1``. The prefetcher reads the groups of the
-prefetch window (set by each `fetch`) into leased host buffers (`buffers.ReadBuffers`).
+prefetch window (set by each `fetch`) into leased host buffers (`buffers.ReadBuffers`). The chunk
+files of a group are read and written by `chunk_io.ChunkIO`'s threads, a few at a time.
 
 Length: over the ~500 lines we aim for: three threads that share one condition variable and
 one queue; their loops and the hand-offs between them read best side by side.
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from optax_offload._src.nvme import buffers as buffers_lib
+from optax_offload._src.nvme import chunk_io
 from optax_offload._src.nvme import files
 from optax_offload._src.nvme import format as format_lib
 from optax_offload._src.nvme import generations as generations_lib
@@ -52,7 +54,14 @@ STAT_KEYS = (
   "bytes_read",
   "buffer_bytes",
   "peak_buffer_bytes",
+  "read_ns",
+  "write_ns",
+  "commit_ns",
+  "bytes_written_zero_copy",
 )
+"""``read_ns``, ``write_ns`` and ``commit_ns``: wall nanoseconds spent reading groups (fetches and
+prefetches), writing groups and committing generations; bytes over them is the data path's speed.
+``bytes_written_zero_copy``: chunk bytes written straight from the put arrays (`chunk_io`)."""
 
 
 @dataclasses.dataclass
@@ -111,11 +120,17 @@ class Pipeline:
     generations: generations_lib.Generations,
     prefetch_depth: int,
     write_depth: int,
+    io_threads: int = 4,
+    direct_io: bool = True,
   ):
     self.directory, self.leaves, self.gens = directory, leaves, generations
     self.group_bytes = [sum(leaf.spec.nbytes for leaf in group) for group in leaves]
+    # What a group's read buffers take: each leaf's bytes plus room for its last chunk's padding.
+    self.group_buffer_bytes = [sum(leaf.layout.buffer_nbytes for leaf in group) for group in leaves]
     self._prefetch_depth, self._write_depth = prefetch_depth, write_depth
     self._context = format_lib.ts_context()
+    largest_file = max(leaf.layout.file_nbytes for group in leaves for leaf in group)
+    self.io = chunk_io.ChunkIO(io_threads, direct_io, piece=largest_file)
     self.cond = threading.Condition()
     self._queue: collections.deque[_Write | _Commit | _Pin] = collections.deque()
     self._commits: collections.deque[_Commit | _Pin] = collections.deque()
@@ -138,8 +153,8 @@ class Pipeline:
     self.closed = False
     self.stats = collections.Counter({k: 0 for k in STAT_KEYS})
     # Prefetched groups, plus the group the caller is consuming.
-    self.read_buffers = buffers_lib.ReadBuffers((prefetch_depth + 1) * max(self.group_bytes))
-    self._fsync_pool = files.FsyncPool()
+    self.read_buffers = buffers_lib.ReadBuffers((prefetch_depth + 1) * max(self.group_buffer_bytes))
+    self._fsync_pool = files.WorkerPool()
     self._threads = [threading.Thread(target=self._writer_loop, name="nvme-writer", daemon=True)]
     self._threads.append(
       threading.Thread(target=self._committer_loop, name="nvme-committer", daemon=True)
@@ -291,13 +306,16 @@ class Pipeline:
       if thread is not current:  # a garbage collection in a store thread may run the finalizer
         thread.join()
     self._fsync_pool.shutdown()
+    self.io.shutdown()
     if error is not None:
       raise error
 
   def runs_in_current_thread(self) -> bool:
     """Whether the calling thread is one of the pipeline's own."""
     current = threading.current_thread()
-    return current in self._threads or current in self._fsync_pool.threads
+    return (
+      current in self._threads or current in self._fsync_pool.threads or current in self.io.threads
+    )
 
   # -- helpers that run under `self.cond` -----------------------------------------------------------------
 
@@ -417,15 +435,19 @@ class Pipeline:
     return self._read(generation, self.leaves[group], take=self.read_buffers.take)
 
   def _read(self, generation: int, leaves, take) -> list[np.ndarray]:
-    arrays = leaf_io.read_leaves(self._context, self.generation_path(generation), leaves, take)
+    start = time.perf_counter_ns()
+    path = self.generation_path(generation)
+    arrays = leaf_io.read_leaves(self.io, self._context, path, leaves, take)
     with self.cond:
       self.stats["bytes_read"] += sum(a.nbytes for a in arrays)
+      self.stats["read_ns"] += time.perf_counter_ns() - start
     return arrays
 
   def write_group(self, op: _Write) -> None:
     """Writes one queued group (the writer thread's work; tests replace it to slow the writer)."""
+    start, zero_copy = time.perf_counter_ns(), self.io.zero_copy_bytes
     leaf_io.write_leaves(
-      self._context,
+      self.io,
       self.generation_path(op.generation),
       self.leaves[op.group],
       op.arrays,
@@ -433,6 +455,8 @@ class Pipeline:
     )
     with self.cond:
       self.stats["bytes_written"] += sum(a.nbytes for a in op.arrays)
+      self.stats["write_ns"] += time.perf_counter_ns() - start
+      self.stats["bytes_written_zero_copy"] += self.io.zero_copy_bytes - zero_copy
 
   def write_manifest(self) -> None:
     """Atomically publishes the committed state (called with the state already updated in memory)."""
@@ -466,6 +490,7 @@ class Pipeline:
     with self.cond:
       self._written = {k for k in self._written if k[1] != generation}
       self.stats["commits"] += 1
+      self.stats["commit_ns"] += int((time.perf_counter() - start) * 1e9)
       self.cond.notify_all()
     self._delete_generations(drop)
     logger.debug(

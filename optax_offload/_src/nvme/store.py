@@ -72,8 +72,10 @@ class NvmeStore:
   Generation ``g + 1`` never overwrites generation ``g``: each generation is a fresh directory, made durable
   with one fsync pass and published by atomically replacing ``MANIFEST.json``. After committing ``g`` the
   store keeps ``g``, its parent (the generation it was computed from; by default the previously committed
-  one) and pinned ones, and deletes the rest. Each chunk carries a crc32c checksum; corrupt, truncated or
-  missing files raise `NvmeCorruptionError`.
+  one) and pinned ones, and deletes the rest. Each leaf is a zarr3 array that TensorStore reads; the
+  store reads and writes its chunk files itself, with direct I/O (`chunk_io`), and keeps an XXH3
+  checksum of each in the array's ``zarr.json``; corrupt, truncated or missing files raise
+  `NvmeCorruptionError`.
 
   The caller follows a cyclic protocol: `fetch` group ``k`` of generation ``g``, `put` its new value as
   group ``k`` of ``g + 1``, for every group in order, then `commit` ``g + 1``. `fetch` then prefetches the
@@ -84,7 +86,8 @@ class NvmeStore:
   reopening it finds the last committed generation.
 
   Host RAM: the store holds at most `host_buffer_bound` =
-  ``(prefetch_depth + write_depth + 1) * max group bytes`` of array buffers: ``write_depth`` groups waiting
+  ``(prefetch_depth + write_depth + 1) * max group bytes`` of array buffers (plus the padding of
+  read buffers and the write staging): ``write_depth`` groups waiting
   to be written, ``prefetch_depth`` prefetched groups, and one more: the buffers of the group the caller
   is consuming, which the store reads the next groups into once the caller has let go of them (or a
   prefetch read whose group was dropped from the window while it was in flight). `fetch` returns read-only
@@ -97,7 +100,8 @@ class NvmeStore:
   ``4 * bytes_on_disk()`` plus pins; ``3 *`` suffices when commits keep up with writes.
 
   Threads: a writer, a committer (fsync, manifest, deletion; with a few fsync threads) and, if
-  ``prefetch_depth > 0``, a prefetcher; all daemons, waiting on one condition variable.
+  ``prefetch_depth > 0``, a prefetcher; all daemons, waiting on one condition variable; and
+  ``io_threads`` each for chunk reads and chunk writes.
 
   Lifetime: the store holds an exclusive ``flock`` on ``directory/LOCK`` (one process per directory)
   until `close` (or the end of a ``with`` block). A store that is not closed is closed when it is
@@ -127,6 +131,8 @@ class NvmeStore:
     prefetch_depth: int = 1,
     write_depth: int = 1,
     chunk_bytes: int = 16 << 20,
+    io_threads: int = 4,
+    direct_io: bool = True,
     create: bool = True,
   ):
     """Opens (or creates) the store in `directory` and takes its lock.
@@ -137,6 +143,8 @@ class NvmeStore:
       prefetch_depth: how many groups ahead `fetch` prefetches (0 disables prefetching).
       write_depth: how many `put` writes may be pending before `put` blocks (at least 1).
       chunk_bytes: target bytes per chunk file, split along the leading axis.
+      io_threads: chunk files read, and as many written, at once.
+      direct_io: read and write chunk files with ``O_DIRECT`` (see `NvmeOptions`).
       create: make `directory` if it does not exist.
 
     Raises:
@@ -147,7 +155,7 @@ class NvmeStore:
       ValueError: invalid arguments, or the committed generation holds different leaves.
       NvmeCorruptionError: the manifest cannot be read.
     """
-    options = NvmeOptions(prefetch_depth, write_depth, chunk_bytes)
+    options = NvmeOptions(prefetch_depth, write_depth, chunk_bytes, io_threads, direct_io)
     self._groups = [list(group) for group in groups]
     if not self._groups or any(not group for group in self._groups):
       raise ValueError("groups must be a non-empty sequence of non-empty sequences of LeafSpec.")
@@ -167,7 +175,13 @@ class NvmeStore:
       lock.release()
       raise
     self._pipeline = pipeline_lib.Pipeline(
-      self._dir, leaves, generations, options.prefetch_depth, options.write_depth
+      self._dir,
+      leaves,
+      generations,
+      options.prefetch_depth,
+      options.write_depth,
+      options.io_threads,
+      options.direct_io,
     )
     self._lock = lock
     self._finalizer = weakref.finalize(self, _finalize, self._pipeline, lock)
@@ -247,9 +261,17 @@ class NvmeStore:
 
   @property
   def host_buffer_bound(self) -> int:
-    """Most bytes of array buffers the store holds: ``(prefetch_depth + write_depth + 1) * max group``."""
-    o = self._options
-    return (o.prefetch_depth + o.write_depth + 1) * max(self._pipeline.group_bytes)
+    """Most bytes of buffers the store holds: ``(prefetch_depth + write_depth + 1) * max group``.
+
+    Exactly: ``prefetch_depth + 1`` groups' read buffers (with their padding), ``write_depth``
+    groups waiting to be written, and the staging buffers of chunk writes.
+    """
+    o, p = self._options, self._pipeline
+    return (
+      (o.prefetch_depth + 1) * max(p.group_buffer_bytes)
+      + o.write_depth * max(p.group_bytes)
+      + p.io.staging_bytes
+    )
 
   @property
   def stats(self) -> dict[str, int]:
