@@ -50,6 +50,7 @@ from optax_offload._src.step_time import hardware
 from optax_offload._src.step_time import timeline
 from optax_offload._src.units import format_bytes
 from optax_offload._src.units import parse_bytes
+from optax_offload._src.value_and_update import value_and_update
 
 __version__ = "0.1.0"
 
@@ -95,4 +96,5 @@ __all__ = (
   "to_pinned_host",
   "update_and_apply",
   "value_and_grad_to_host",
+  "value_and_update",
 )

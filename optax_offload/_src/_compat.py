@@ -336,3 +336,42 @@ def add_orbax_zero_size_hint(hint: str) -> bool:
   finally:
     absl_logger.removeFilter(quiet)
   return True
+
+
+def _unwrapped_update(update: Any) -> Any:
+  """The update function under optax's ``with_extra_args_support`` wrapper (itself otherwise)."""
+  if getattr(update, "__qualname__", "") == "with_extra_args_support.<locals>.update":
+    inner = inspect.getclosurevars(update).nonlocals.get("tx")
+    return getattr(inner, "update", update)
+  return update
+
+
+def chain_parts(tx: Any) -> list[Any] | None:
+  """The update functions of an ``optax.chain(...)``, in order, or None for anything else.
+
+  optax keeps them in the closure of the chain's ``update_fn`` (``update_fns``), the same in
+  optax 0.2.8; a chain's own ``with_extra_args_support`` wrappers are looked through.
+  """
+  update = getattr(tx, "update", None)
+  if getattr(update, "__qualname__", "") != "chain.<locals>.update_fn":
+    return None
+  fns = inspect.getclosurevars(update).nonlocals.get("update_fns")
+  if fns is None:
+    return None
+  return [_Update(_unwrapped_update(f)) for f in fns]
+
+
+class _Update:
+  """A transformation known by its update function only (what `chain_parts` can recover)."""
+
+  def __init__(self, update: Any):
+    self.update = update
+
+
+def clip_by_global_norm_max_norm(part: Any) -> Any:
+  """``max_norm`` of an ``optax.clip_by_global_norm(max_norm)`` (from its update's closure), or
+  None when `part` is something else."""
+  update = getattr(part, "update", None)
+  if getattr(update, "__qualname__", "") != "clip_by_global_norm.<locals>.update_fn":
+    return None
+  return inspect.getclosurevars(update).nonlocals.get("max_norm")

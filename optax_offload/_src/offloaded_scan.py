@@ -276,12 +276,20 @@ def offloaded_scan(
     ((3, 4, 4), 'pinned_host')
   """
   _num_layers(stack)
-  _check_on_host(stack)
+  from optax_offload._src import fused_scan  # the update-in-backward hook; it imports this module
+
+  claimed = fused_scan.claim(stack)
+  if claimed is None:
+    _check_on_host(stack)
   w_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
   converted, consts = jax.closure_convert(body, carry, w_aval)
 
   def layer(consts, x, w):
     return converted(x, w, *consts)
+
+  if claimed is not None:
+    consumer, io = claimed
+    return fused_scan.fused_scan(layer, consumer, list(consts), carry, stack, io)
 
   out_aval = jax.eval_shape(layer, consts, carry, w_aval)
   _check_body_output(out_aval, carry)

@@ -164,9 +164,24 @@ class _Run:
   """
 
   def __init__(
-    self, inner, layout, spec, grads, params, shared, arrays, treedefs, n_rows, extra_args, apply
+    self,
+    inner,
+    layout,
+    spec,
+    grads,
+    params,
+    shared,
+    arrays,
+    treedefs,
+    n_rows,
+    extra_args,
+    apply,
+    grad_transform=None,
+    row_offset=None,
   ):
     self.inner, self.layout, self.spec = inner, layout, spec
+    self.grad_transform = grad_transform
+    self.row_offset = row_offset
     self.grads, self.params, self.shared_in = grads, params, shared
     self.arrays: dict[Key, Any] = dict(arrays)
     self.treedefs, self.n_rows, self.extra_args = treedefs, n_rows, extra_args
@@ -196,6 +211,16 @@ class _Run:
       if extra:
         self.moving[i] = extra
 
+  def offset_rows(self, i: int, j: int) -> bool:
+    """Whether array j of leaf i is a host-tier array whose rows start at `row_offset` (a larger
+    array than the gradients: the update of a block of rows of it)."""
+    return (
+      self.row_offset is not None
+      and j not in (PARAM, GRAD)
+      and self.spec.array_tiers[i][j] is Tier.HOST
+      and bool(self.spec.dims[i][j])
+    )
+
   def piece_rows(self, piece: Piece) -> tuple[int, int]:
     return (0, self.n_rows[piece.leaf]) if piece.whole else (piece.start, piece.stop)
 
@@ -208,6 +233,8 @@ class _Run:
       for j in self.spec.offloaded(i) + self.moving.get(i, []):
         if j not in (PARAM, GRAD) and self.spec.array_tiers[i][j] is Tier.NVME:
           x = fetched[(i, j)]
+        elif self.offset_rows(i, j):
+          x = lax.dynamic_slice_in_dim(self.arrays[(i, j)], self.row_offset + start, stop - start)
         else:
           x = self.arrays[(i, j)]
           if not piece.whole and (j in (PARAM, GRAD) or self.spec.dims[i][j]):
@@ -234,7 +261,10 @@ class _Run:
           nvme_parts.setdefault(i, [None] * len(self.spec.array_tiers[i]))[j] = x
           continue
         x = x if space is None else memory.to_space(x, space)
-        if not piece.whole and self.spec.dims[i][j]:
+        if self.offset_rows(i, j):
+          start = self.row_offset + self.piece_rows(piece)[0]
+          x = lax.dynamic_update_slice_in_dim(self.arrays[(i, j)], x, start, 0)
+        elif not piece.whole and self.spec.dims[i][j]:
           x = _put_rows(self.arrays[(i, j)], x, piece.start)
         self.arrays[(i, j)] = x
     return {
@@ -307,6 +337,8 @@ class _Run:
         grads[i] = _take(bufs[(n, GRAD)], local, ndim)
       else:
         grads[i] = _take(self.grad_source(i), box, ndim)
+      if self.grad_transform is not None:
+        grads[i] = self.grad_transform(grads[i])
       if (n, PARAM) in bufs:
         params[i] = _take(bufs[(n, PARAM)], local, ndim)
       elif self.params is not None:
@@ -370,6 +402,8 @@ def run(
   generation: Any = None,
   store: Any = None,
   apply: bool = False,
+  grad_transform: Any = None,
+  row_offset: Any = None,
 ) -> tuple[list[Any], list[Any], list[Any], Any]:
   """Runs the inner update group by group.
 
@@ -390,6 +424,12 @@ def run(
       layout), so a program traced before `close_nvme` serves a state of a later ``tx.init``.
     apply: return new params (``optax.apply_updates`` of each chunk's updates, written into the
       params' buffers) instead of updates.
+    grad_transform: an elementwise function applied to every chunk of the gradients before the
+      inner update (global-norm clipping, once the norm is known), or None.
+    row_offset: None, or a (traced) row: the host-tier state arrays are larger than the gradients
+      along their leading axis, and the update is of their rows from this one on (a block of
+      layers of a stack, updated inside the backward pass); those rows are read and written in
+      place.
 
   Returns:
     (update leaves, or new param leaves with `apply`; new shared leaves; new per-leaf parts; new
@@ -404,7 +444,19 @@ def run(
   if apply and params is None:
     raise ValueError("applying the updates needs the params")
   r = _Run(
-    inner, layout, spec, list(grads), params, shared, arrays, treedefs, n_rows, extra_args, apply
+    inner,
+    layout,
+    spec,
+    list(grads),
+    params,
+    shared,
+    arrays,
+    treedefs,
+    n_rows,
+    extra_args,
+    apply,
+    grad_transform,
+    row_offset,
   )
   if placement != "host":
     r.stream_host_params()
@@ -431,7 +483,7 @@ def run(
   new_shared = r.new_shared if r.new_shared is not None else shared
   if placement != "none":
     new_shared = memory.to_space(new_shared, DEVICE)
-  return [r.updates[i] for i in range(layout.num_leaves)], new_shared, per_leaf, new_generation
+  return [r.updates.get(i) for i in range(layout.num_leaves)], new_shared, per_leaf, new_generation
 
 
 def _run_streamed(r: _Run, nvme, token, on_device: bool):

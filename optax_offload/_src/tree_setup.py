@@ -113,6 +113,11 @@ def _chunks(unit, leaves, array_tiers, cols, n_units: int) -> tuple[tuple[int, i
   return tuple(out)
 
 
+def row_chunks(unit, leaves, array_tiers, n_units: int) -> tuple[tuple[int, int], ...]:
+  """`_chunks` for pieces split by rows only (no column splits)."""
+  return _chunks(unit, leaves, array_tiers, [0] * len(leaves), n_units)
+
+
 def make_setup(
   inner: optax.GradientTransformationExtraArgs,
   treedef: Any,

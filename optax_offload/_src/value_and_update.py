@@ -1,0 +1,622 @@
+"""`value_and_update`: a training step whose layer stacks are updated inside the backward pass.
+
+``jax.value_and_grad`` then ``oo.update_and_apply`` moves a layer stack's weights, gradients and
+optimizer state over the host<->device link after the backward pass, when no compute is left to
+hide the transfers. `value_and_update` differentiates the loss itself and hands each stack that
+reaches `offloaded_scan` to the backward pass (`fused_scan`), which updates layer l as soon as its
+gradient exists, with layer l's state arriving while layer l+1's backward computes. The stack's
+gradients never exist whole, on the device or in host memory. Leaves outside the stacks
+(embeddings, head, norms) are updated after the backward pass, streamed as `update_and_apply`
+does.
+
+With ``accumulate=k`` the step takes k micro-batches (a leading axis on the batch arguments) and
+accumulates their gradients as ``optax.MultiSteps`` does (a running mean, the same expression):
+for a stack, inside each backward pass into a host-memory accumulator; the update runs once, in
+the last backward pass.
+
+Global-norm clipping (``optax.chain(optax.clip_by_global_norm(c), oo.offload(...))``) needs the
+norm before any update: the last backward pass then writes the stack's (accumulated) gradients to
+host memory and sums their squares, and the update runs after it, streamed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from optax_offload._src import _compat
+from optax_offload._src import fused_scan
+from optax_offload._src import layout as layout_lib
+from optax_offload._src import offload as offload_lib
+from optax_offload._src import plan as plan_lib
+from optax_offload._src import separable
+from optax_offload._src import stream
+from optax_offload._src import tree_setup as setup_lib
+from optax_offload._src.state import OffloadState
+
+_HOST = jax.memory.Space.Host
+_DEVICE = jax.memory.Space.Device
+
+
+@dataclasses.dataclass(frozen=True)
+class _Structure:
+  """What `value_and_update` recognised in a transformation."""
+
+  offloaded: Any  # offload_lib._Offloaded
+  clip: float | None  # clip_by_global_norm's max_norm, or None
+  unpack: Callable[[Any], OffloadState]
+  pack: Callable[[Any, OffloadState], Any]
+
+
+def _structure(tx: Any) -> _Structure:
+  """The offload transformation in `tx`: alone, or after ``clip_by_global_norm`` in a chain."""
+  offloaded = offload_lib._OFFLOADED.get(getattr(tx, "update", None))
+  if offloaded is not None:
+    return _Structure(offloaded, None, lambda s: s, lambda _, s: s)
+  parts = _compat.chain_parts(tx)
+  if parts is not None and len(parts) == 2:
+    clip = _compat.clip_by_global_norm_max_norm(parts[0])
+    offloaded = offload_lib._OFFLOADED.get(getattr(parts[1], "update", None))
+    if clip is not None and offloaded is not None:
+      return _Structure(offloaded, clip, lambda s: s[1], lambda s, new: (s[0], new))
+  raise TypeError(
+    "value_and_update needs oo.offload(...) or optax.chain(optax.clip_by_global_norm(c), "
+    "oo.offload(...)); for accumulation over micro-batches pass accumulate=k instead of "
+    "optax.MultiSteps."
+  )
+
+
+class _Discovery:
+  """Records the stacks `offloaded_scan` receives while a loss is traced (no fusion yet)."""
+
+  def __init__(self, leaves):
+    self.index = {id(x): i for i, x in enumerate(leaves)}
+    self.stacks: list[tuple[tuple[int, ...], int]] = []
+
+  def claim(self, stack):
+    ids = [self.index.get(id(x)) for x in jax.tree.leaves(stack)]
+    if not ids or any(i is None for i in ids):
+      return None
+    self.stacks.append((tuple(ids), jnp.shape(jax.tree.leaves(stack)[0])[0]))
+    return fused_scan.Consumer("write"), {}
+
+
+class _Claims:
+  """Hands each known stack its consumer and inputs while the loss is differentiated."""
+
+  def __init__(self, leaves, stacks, consumers, ios):
+    self.index = {id(x): i for i, x in enumerate(leaves)}
+    self.by_leaves = {s: k for k, (s, _) in enumerate(stacks)}
+    self.consumers, self.ios = consumers, ios
+    self.claimed: set[int] = set()
+
+  def claim(self, stack):
+    ids = tuple(self.index.get(id(x)) for x in jax.tree.leaves(stack))
+    k = self.by_leaves.get(ids)
+    if k is None:
+      return None
+    if k in self.claimed:
+      raise ValueError(
+        "value_and_update: the layer stack reaches oo.offloaded_scan twice in one loss; its "
+        "update runs in the backward pass of one offloaded_scan, so apply the stack once."
+      )
+    self.claimed.add(k)
+    return self.consumers[k], self.ios[k]
+
+
+def value_and_update(
+  loss_fn: Callable[..., Any],
+  tx: optax.GradientTransformation,
+  *,
+  has_aux: bool = False,
+  accumulate: int = 1,
+  accumulator_dtype: Any = jnp.float32,
+) -> Callable[..., Any]:
+  """A training step: the loss, its gradients and the offloaded update, fused.
+
+  ``value_and_update(loss_fn, tx)(params, state, *batch)`` returns ``(value, params, state)``
+  with the same values as::
+
+    value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
+    params, state = oo.update_and_apply(tx, grads, state, params)
+
+  but a layer stack that ``loss_fn`` applies with `offloaded_scan` (a leaf of `params`, as it is:
+  ``oo.offloaded_scan(body, x, params["layers"])``) is updated inside the backward pass, layer by
+  layer, as each layer's gradient is computed. Its gradients never exist whole; its optimizer
+  state arrives one layer ahead while the backward computes. The stack may live in pinned host
+  memory (weights offloaded too) or on the device. Use it under `jax.jit` with the params and state
+  donated.
+
+  Args:
+    loss_fn: ``loss_fn(params, *batch, **kwargs) -> loss`` (or ``(loss, aux)`` with `has_aux`).
+    tx: ``oo.offload(...)``, or ``optax.chain(optax.clip_by_global_norm(c), oo.offload(...))``.
+    has_aux: as in `jax.value_and_grad`.
+    accumulate: micro-batches per step: the batch arguments carry a leading axis of this length,
+      and their gradients are averaged as ``optax.MultiSteps(..., every_k_schedule=accumulate)``
+      averages them (its running mean), before one update.
+    accumulator_dtype: dtype of the accumulated gradients (``optax.MultiSteps``' default, float32).
+      A stack's accumulator lives in host memory during the step.
+
+  Returns:
+    ``step(params, state, *batch, **kwargs) -> (value, params, state)``; with ``accumulate > 1``
+    the value is the mean of the micro-batches' losses (and the last micro-batch's aux).
+
+  Raises:
+    TypeError: for a transformation it does not recognise.
+    ValueError: when a stack's optimizer state cannot be updated layer by layer.
+    NotImplementedError: for state in the NVMe tier.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optax_offload as oo
+    >>> params = {"layers": oo.to_pinned_host(jnp.full((4, 64, 64), 0.1)), "out": jnp.ones(64)}
+    >>> def loss_fn(p, x):
+    ...   x, _ = oo.offloaded_scan(lambda x, w: (jnp.tanh(x @ w), None), x, p["layers"])
+    ...   return jnp.mean(x @ p["out"])
+    >>> tx = oo.offload(optax.sgd(0.1))
+    >>> state = tx.init(params)
+    >>> step = jax.jit(oo.value_and_update(loss_fn, tx), donate_argnums=(0, 1))
+    >>> loss, params, state = step(params, state, jnp.ones((8, 64)))
+    >>> params["layers"].sharding.memory_kind
+    'pinned_host'
+  """
+  if not (isinstance(accumulate, int) and accumulate >= 1):
+    raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
+  structure = _structure(tx)
+  acc_dtype = jnp.dtype(accumulator_dtype)
+
+  def step(params, state, *batch, **kwargs):
+    return _Step(structure, loss_fn, has_aux, accumulate, acc_dtype).run(
+      params, state, batch, kwargs
+    )
+
+  return step
+
+
+class _Step:
+  """One traced step of `value_and_update`."""
+
+  def __init__(self, structure: _Structure, loss_fn, has_aux, k, acc_dtype):
+    self.s, self.loss_fn, self.has_aux, self.k, self.acc_dtype = (
+      structure,
+      loss_fn,
+      has_aux,
+      k,
+      acc_dtype,
+    )
+
+  def micro(self, batch, n):
+    if self.k == 1:
+      return batch
+    return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, n, keepdims=False), batch)
+
+  def run(self, params, state, batch, kwargs):
+    off = self.s.offloaded
+    off_state = self.s.unpack(state)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = [layout_lib.leaf_path(p) for p, _ in flat]
+    leaves = [v for _, v in flat]
+    avals = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in leaves]
+    setup = off.setup_for_update(paths, avals)
+    layout = off.layout_for(treedef)
+    shared, per_leaf = offload_lib._split_checked(setup, layout, off_state.inner, paths)
+    if setup.nvme is not None:
+      raise NotImplementedError(
+        "value_and_update with state in the NVMe tier is not supported yet: use "
+        "jax.value_and_grad and oo.update_and_apply, or raise host_limit."
+      )
+    if self.k > 1:
+      for b in jax.tree.leaves(batch):
+        if jnp.ndim(b) < 1 or jnp.shape(b)[0] != self.k:
+          raise ValueError(
+            f"value_and_update(accumulate={self.k}): every batch argument needs a leading "
+            f"micro-batch axis of length {self.k}; got an array of shape {jnp.shape(b)}."
+          )
+    self.treedef, self.paths, self.setup, self.layout = treedef, paths, setup, layout
+    self.shared, self.per_leaf, self.leaves = shared, per_leaf, leaves
+    stacks = self.discover(leaves, batch, kwargs)
+    self.stacks = stacks
+    fused = {i for s, _ in stacks for i in s}
+    self.fused = fused
+    rest = [i for i in range(len(leaves)) if i not in fused]
+
+    clip = self.s.clip is not None
+    k = self.k
+    value_sum = None
+    acc_stack = None  # per stack: accumulators (host memory) as a tuple in the stack's leaf order
+    acc_rest = None  # leaf -> accumulator of a leaf outside the stacks (device)
+
+    def differentiate(mode_of, ios, lv, b_n):
+      consumers = [mode_of(k_) for k_ in range(len(stacks))]
+
+      def f(lv, io_diff):
+        ios_full = [dict(io, **d) for io, d in zip(ios, io_diff)]
+        with fused_scan.fusing(_Claims(lv, stacks, consumers, ios_full)) as claims:
+          out = self.loss_fn(treedef.unflatten(lv), *b_n, **kwargs)
+        missing = set(range(len(stacks))) - claims.claimed
+        if missing:
+          raise ValueError(
+            "value_and_update: a layer stack did not reach oo.offloaded_scan the second time "
+            "the loss was traced; the loss must apply the same stacks on every call."
+          )
+        return out
+
+      io_diff = [{key: io[key] for key in fused_scan.DIFF_KEYS if key in io} for io in ios]
+      value, (g, cot) = jax.value_and_grad(f, argnums=(0, 1), has_aux=self.has_aux)(lv, io_diff)
+      return value, g, cot
+
+    n0 = jnp.asarray(0, jnp.int32)
+    last = k - 1
+    # Micro-batches 0 .. k-2: accumulate.
+    if k > 1:
+      ios0 = [self.io(s, n0, acc=self.empty_acc(s)) for s in range(len(stacks))]
+      value0, g0, cot0 = differentiate(
+        lambda s: fused_scan.Consumer("write", mean=True, grad_dtypes=self.grad_dtypes(s)),
+        ios0,
+        leaves,
+        self.micro(batch, 0),
+      )
+      acc_stack = [c["acc"] for c in cot0]
+      acc_rest = {i: _mean(_opaque_zeros(g0[i], self.acc_dtype), g0[i], n0) for i in rest}
+      value_sum = _loss(value0, self.has_aux)
+
+      def body(n, carry):
+        acc_stack, acc_rest, value_sum = carry
+        ios = [self.io(s, n, acc=acc_stack[s]) for s in range(len(stacks))]
+        value, g, cot = differentiate(
+          lambda s: fused_scan.Consumer("accumulate", grad_dtypes=self.grad_dtypes(s)),
+          ios,
+          leaves,
+          self.micro(batch, n),
+        )
+        acc_rest = {i: _mean(acc_rest[i], g[i], n) for i in rest}
+        return [c["acc"] for c in cot], acc_rest, value_sum + _loss(value, self.has_aux)
+
+      if last > 1:
+        acc_stack, acc_rest, value_sum = lax.fori_loop(
+          1, last, body, (acc_stack, acc_rest, value_sum)
+        )
+
+    n_last = jnp.asarray(last, jnp.int32)
+    final_batch = self.micro(batch, last)
+    if not clip:
+      ios = [
+        self.io(s, n_last, acc=None if acc_stack is None else acc_stack[s], parts=True)
+        for s in range(len(stacks))
+      ]
+      value, g, cot = differentiate(
+        lambda s: fused_scan.Consumer(
+          "update",
+          accumulated=k > 1,
+          update=self.block_update(s),
+          grad_dtypes=self.grad_dtypes(s),
+        ),
+        ios,
+        leaves,
+        final_batch,
+      )
+      grads = self.final_rest_grads(g, acc_rest, rest, n_last)
+      new_leaves, new_shared, new_per_leaf = self.update_rest(grads, rest, None)
+      for s, (stack_leaves, _) in enumerate(stacks):
+        new_parts = cot[s]["parts"]
+        for pos, i in enumerate(stack_leaves):
+          new_leaves[i] = g[i]  # the backward's "cotangent" of a fused stack: its new weights
+          new_per_leaf[i] = new_parts[pos]
+    else:
+      ios = [
+        self.io(
+          s,
+          n_last,
+          acc=None if acc_stack is None else acc_stack[s],
+          out=self.empty_grads(s),
+          norm=True,
+        )
+        for s in range(len(stacks))
+      ]
+      value, g, cot = differentiate(
+        lambda s: fused_scan.Consumer(
+          "accumulate" if k > 1 else "write",
+          norm=True,
+          to_grads=True,
+          grad_dtypes=self.grad_dtypes(s),
+        ),
+        ios,
+        leaves,
+        final_batch,
+      )
+      grads = self.final_rest_grads(g, acc_rest, rest, n_last)
+      sums = {}
+      for s, (stack_leaves, _) in enumerate(stacks):
+        for pos, i in enumerate(stack_leaves):
+          grads[i] = cot[s]["out"][pos]
+          sums[i] = cot[s]["norm"][pos]
+      norm = _global_norm(grads, sums, len(leaves))
+      new_leaves, new_shared, new_per_leaf = self.update_rest(
+        grads, list(range(len(leaves))), _clip_fn(norm, self.s.clip)
+      )
+    if k > 1:
+      value = _mean_value(value, value_sum, k, self.has_aux)
+    new_inner = layout.merge(new_shared, new_per_leaf)
+    new_off = off_state._replace(inner=new_inner)
+    return value, treedef.unflatten(new_leaves), self.s.pack(state, new_off)
+
+  # -- discovery and validation ---------------------------------------------------------------
+
+  def discover(self, leaves, batch, kwargs):
+    found = []
+
+    def probe(lv):
+      d = _Discovery(lv)
+      with fused_scan.fusing(d):
+        out = self.loss_fn(self.treedef.unflatten(lv), *self.micro(batch, 0), **kwargs)
+      found.extend(d.stacks)
+      return out
+
+    jax.eval_shape(probe, leaves)
+    for stack_leaves, n_layers in found:
+      for i in stack_leaves:
+        self.check_fusable(i, n_layers)
+    return found
+
+  def check_fusable(self, i: int, n_layers: int) -> None:
+    setup, path = self.setup, self.paths[i]
+    tier = setup.plan.tiers[i]
+    if tier is plan_lib.Tier.NVME:
+      raise NotImplementedError(
+        f"value_and_update: the optimizer state of stack leaf {path} is in the NVMe tier, which "
+        "the update in the backward pass does not read yet; raise host_limit."
+      )
+    if _part_shapes(setup, i) and setup.leaves[i].rows != n_layers and not self.splits(i):
+      raise ValueError(
+        f"value_and_update: the update of stack leaf {path} cannot run layer by layer (its "
+        "update mixes the layers, e.g. lamb's or lars' trust ratio over the whole leaf, or the "
+        "leaf's layer axis is sharded); use jax.value_and_grad and oo.update_and_apply."
+      )
+    for shape in _part_shapes(setup, i):
+      if not shape or shape[0] != n_layers:
+        raise ValueError(
+          f"value_and_update: an optimizer state array of stack leaf {path} (shape {shape}) has "
+          f"no layer axis of length {n_layers}, so it cannot be updated layer by layer; use "
+          "jax.value_and_grad and oo.update_and_apply."
+        )
+
+  def splits(self, i: int) -> bool:
+    """Whether leaf i's update may run in row slices, probed whatever the size of its state
+    (the plan probes only leaves with state of at least `min_size` elements)."""
+    off = self.s.offloaded
+    aval = jax.ShapeDtypeStruct(jnp.shape(self.leaves[i]), self.setup.dtypes[i])
+    _, per_leaf = self.layout.split(
+      jax.eval_shape(
+        off.inner.init,
+        self.treedef.unflatten(
+          [
+            aval if j == i else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+            for j, x in enumerate(self.leaves)
+          ]
+        ),
+      )
+    )
+    dims = separable.shared_dims(per_leaf[i], aval.shape)
+    return separable.splittable(off.inner, [aval], [per_leaf[i]], [dims], 1, axis=0)[0] > 0
+
+  # -- inputs of the fused backward ---------------------------------------------------------
+
+  def grad_dtypes(self, s):
+    return tuple(jnp.result_type(self.leaves[i]) for i in self.stacks[s][0])
+
+  def empty_acc(self, s):
+    return tuple(_empty(self.leaves[i], self.acc_dtype) for i in self.stacks[s][0])
+
+  def empty_grads(self, s):
+    return tuple(_empty(self.leaves[i], jnp.result_type(self.leaves[i])) for i in self.stacks[s][0])
+
+  def io(self, s, n, *, acc=None, parts=False, out=None, norm=False):
+    stack_leaves = self.stacks[s][0]
+    io: dict[str, Any] = {"n": n, "shared": self.shared}
+    if acc is not None:
+      io["acc"] = tuple(acc)
+    if out is not None:
+      io["out"] = tuple(out)
+    if parts:
+      io["parts"] = tuple(self.per_leaf[i] for i in stack_leaves)
+    if norm:
+      io["norm"] = jnp.zeros((len(stack_leaves),), jnp.float32)
+    return io
+
+  def block_update(self, s):
+    """`fused_scan.Consumer.update` for stack s: rows of its leaves updated with the grouped
+    update of `update_and_apply` (`stream.run`) on views of those rows, streamed through the
+    window and written back in place."""
+    stack_leaves = self.stacks[s][0]
+    n_layers = self.stacks[s][1]
+    off, setup = self.s.offloaded, self.setup
+    if off.update_on != "device":
+      raise NotImplementedError(
+        "value_and_update runs the update on the device (update_on='device'); with "
+        "update_on='host' use jax.value_and_grad and oo.update_and_apply."
+      )
+    layout = layout_lib.StateLayout(off.inner, jax.tree.structure(tuple(stack_leaves)))
+    tiers = tuple(setup.array_tiers[i] for i in stack_leaves)
+    dims = tuple(setup.spec.dims[i] for i in stack_leaves)
+    specs: dict[int, stream.StreamSpec] = {}
+
+    def spec_for(rows: int) -> stream.StreamSpec:
+      if rows not in specs:
+        infos = [
+          plan_lib.LeafInfo(
+            setup.leaves[i].path,
+            setup.leaves[i].size * rows // n_layers,
+            -(-setup.leaves[i].state_bytes * rows // n_layers),
+            rows=rows if _part_shapes(setup, i) else 0,
+          )
+          for i in stack_leaves
+        ]
+        plan = plan_lib.make_plan(infos, min_size=0, window_bytes=setup.plan.window_bytes)
+        chunks = tuple(
+          setup_lib.row_chunks(unit, infos, tiers, len(plan.units)) for unit in plan.units
+        )
+        specs[rows] = stream.StreamSpec(plan.units, tiers, dims, chunks)
+      return specs[rows]
+
+    def update(stack, parts, start, w, g, shared):
+      rows = jnp.shape(w[0])[0]
+      # Host-tier state arrays stay whole (`row_offset`: their rows are read and written in place
+      # by the streamed update); device-tier ones are cut to the rows here and put back after.
+      views = [
+        setup_lib.map_arrays(
+          part,
+          leaf_tiers,
+          lambda t, j, a: (
+            lax.dynamic_slice_in_dim(a, start, rows, 0) if t is plan_lib.Tier.DEVICE else a
+          ),
+        )
+        for part, leaf_tiers in zip(parts, tiers)
+      ]
+      new_w, _, new_views, _ = stream.run(
+        off.inner,
+        layout,
+        spec_for(rows),
+        list(g),
+        shared,
+        views,
+        list(w),
+        {},
+        placement="device",
+        apply=True,
+        row_offset=start,
+      )
+      parts = tuple(
+        setup_lib.map_arrays(
+          view,
+          leaf_tiers,
+          lambda t, j, v, part=part: (
+            lax.dynamic_update_slice_in_dim(jax.tree.leaves(part)[j], v, start, 0)
+            if t is plan_lib.Tier.DEVICE
+            else v
+          ),
+        )
+        for part, view, leaf_tiers in zip(parts, new_views, tiers)
+      )
+      stack = tuple(fused_scan._put(buf, start, x) for buf, x in zip(stack, new_w))
+      return stack, parts
+
+    return update
+
+  # -- leaves outside the stacks ---------------------------------------------------------------
+
+  def final_rest_grads(self, g, acc_rest, rest, n_last):
+    grads = list(g)
+    for i in rest:
+      if acc_rest is not None:
+        grads[i] = _mean(acc_rest[i], g[i], n_last).astype(jnp.result_type(g[i]))
+    return grads
+
+  def update_rest(self, grads, members, grad_transform):
+    """Updates `members` (leaf indices) with `update_and_apply`'s streamed update.
+
+    Returns (new param leaves, new shared leaves, new per-leaf parts); leaves outside `members`
+    keep their params and state.
+    """
+    spec, setup = self.setup.spec, self.setup
+    chosen = set(members)
+    units, chunks = [], []
+    for unit, unit_chunks in zip(spec.units, spec.chunks):
+      keep = [(p, c) for p, c in zip(unit, unit_chunks) if p.leaf in chosen]
+      if keep:
+        units.append(tuple(p for p, _ in keep))
+        chunks.append(tuple(c for _, c in keep))
+    leaves = list(self.leaves)
+    if not units:
+      return leaves, self.shared_after_empty_update(), list(self.per_leaf)
+    sub = dataclasses.replace(spec, units=tuple(units), chunks=tuple(chunks))
+    new_params, new_shared, new_per_leaf, _ = stream.run(
+      self.s.offloaded.inner,
+      self.layout,
+      sub,
+      grads,
+      self.shared,
+      self.per_leaf,
+      leaves,
+      {},
+      placement=self.s.offloaded.update_on,
+      apply=True,
+      grad_transform=grad_transform,
+    )
+    del setup
+    return [p if p is not None else x for p, x in zip(new_params, leaves)], new_shared, new_per_leaf
+
+  def shared_after_empty_update(self):
+    """The shared leaves (step count, ...) after an update of no leaf."""
+    layout, n_leaves = self.layout, self.layout.num_leaves
+    _, new_state = stream._inner_update(self.s.offloaded.inner)(
+      layout.masked([None] * n_leaves, []),
+      layout.view(self.shared, {}, []),
+      layout.masked([None] * n_leaves, []),
+      {},
+    )
+    return layout.unview(new_state, [])[0]
+
+
+def _part_shapes(setup, i: int) -> list[tuple[int, ...]]:
+  """The shapes of leaf i's state arrays."""
+  return [tuple(x.shape) for x in jax.tree.leaves(setup.parts[i])]
+
+
+def _empty(like, dtype):
+  space = getattr(jax.typeof(like), "memory_space", None)
+  x = lax.empty(jnp.shape(like), dtype)
+  return jax.device_put(x, _HOST) if space == _HOST else x
+
+
+def _opaque_zeros(like, dtype):
+  return lax.optimization_barrier(jnp.zeros(jnp.shape(like), dtype))
+
+
+def _mean(acc, g, n):
+  """optax.MultiSteps' running mean (`use_grad_mean=True`), the same expression."""
+  return acc + (g - acc) / (n + 1)
+
+
+def _loss(value, has_aux):
+  return (value[0] if has_aux else value).astype(jnp.float32)
+
+
+def _mean_value(value, value_sum, k, has_aux):
+  total = (value_sum + _loss(value, has_aux)) / k
+  return (total, value[1]) if has_aux else total
+
+
+def _global_norm(grads, sums, n_leaves):
+  """``optax.tree.norm(grads)``: per-leaf sums of squares in the leaf's dtype, added in tree order
+  from 0; a stack leaf's sum comes from its per-layer sums (float32)."""
+  per_leaf = []
+  for i in range(n_leaves):
+    g = grads[i]
+    if i in sums:
+      per_leaf.append(sums[i].astype(jnp.result_type(g)))
+    else:
+      per_leaf.append(jnp.sum(jnp.square(g)))
+  return jnp.sqrt(jnp.array(_reduce_add(per_leaf)))
+
+
+def _reduce_add(values):
+  total = 0
+  for v in values:
+    total = operator.add(total, v)
+  return total
+
+
+def _clip_fn(norm, max_norm):
+  """optax.clip_by_global_norm's per-leaf clip, given the norm."""
+  trigger = jnp.squeeze(norm < max_norm)
+
+  def clip(t):
+    return lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm)
+
+  return clip

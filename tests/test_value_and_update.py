@@ -1,0 +1,226 @@
+"""value_and_update: the layer stack updated inside the backward pass, against plain optax.
+
+The reference is plain optax on the device (``lax.scan`` over ``jax.checkpoint(body)``,
+``optax.MultiSteps`` for accumulation, ``optax.clip_by_global_norm`` in a chain), jitted; the fused
+step must give the same bits for the optimizers whose arithmetic does not depend on the grouping
+(numerics rule in DESIGN.md), and be within `conftest.RTOL` for the Adam family.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+
+import optax_offload as oo
+from benchmarks import llama
+from benchmarks.stream_layers import streamed_loss_fn
+from optax_offload._src import master as master_lib
+
+ON_DEVICE = llama.DEVICE
+
+
+def decoder(layers: int, dtype):
+  cfg = llama.Config(d=64, layers=layers, ffn=128, heads=4, vocab=256)
+  params = jax.device_put(llama.init_params(cfg, jax.random.key(0), dtype), ON_DEVICE)
+  return cfg, params
+
+
+def tokens(step: int, micro: int, k: int):
+  t = jax.random.randint(jax.random.key(100 * step + micro), (2, 17), 0, 256)
+  return t
+
+
+def assert_bits_equal(got, want):
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+OPTIMIZERS = {
+  "sgd_momentum": (lambda: optax.sgd(1e-2, momentum=0.9), True),
+  "lion": (lambda: optax.lion(1e-3), True),
+  "adamw": (lambda: optax.adamw(1e-2, weight_decay=1e-2), False),
+}
+
+
+def reference(cfg, params, inner, *, master, k, clip, steps):
+  """Plain optax: the stack on the device, MultiSteps for k micro-batches, clip in a chain."""
+  tx = inner
+  if master is not None:
+    tx = master_lib.with_master_weights(optax.with_extra_args_support(tx), master)
+  if clip is not None:
+    tx = optax.chain(optax.clip_by_global_norm(clip), tx)
+  if k > 1:
+    tx = optax.MultiSteps(tx, k)
+  state = tx.init(params)
+
+  @jax.jit
+  def micro_step(params, state, t):
+    loss, grads = jax.value_and_grad(lambda p: llama.loss_fn(cfg, p, t))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  for s in range(steps):
+    for m in range(k):
+      params, state, _ = micro_step(params, state, tokens(s, m, k))
+  return params
+
+
+def fused(cfg, params, inner, *, master, k, clip, steps, on_host, window=None):
+  tx = oo.offload(inner, master_dtype=master, min_size=256, window_bytes=window)
+  if clip is not None:
+    tx = optax.chain(optax.clip_by_global_norm(clip), tx)
+  if on_host:
+    params = dict(params, layers=oo.to_pinned_host(params["layers"]))
+  state = tx.init(params)
+  step = jax.jit(
+    oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx, accumulate=k),
+    donate_argnums=(0, 1),
+  )
+  for s in range(steps):
+    batch = tokens(s, 0, k) if k == 1 else jnp.stack([tokens(s, m, k) for m in range(k)])
+    loss, params, state = step(params, state, batch)
+  return params, state
+
+
+CASES = [
+  # (optimizer, dtype, layers, accumulate, clip, stack on host)
+  ("sgd_momentum", "fp32", 4, 1, None, True),
+  ("sgd_momentum", "bf16_master", 5, 1, None, True),
+  ("lion", "fp32", 4, 3, None, True),
+  ("sgd_momentum", "fp32", 3, 2, None, False),
+  ("lion", "bf16_master", 4, 1, 0.05, True),
+  ("sgd_momentum", "fp32", 5, 3, 1e6, True),
+  ("adamw", "fp32", 4, 1, None, True),
+  ("adamw", "bf16_master", 5, 3, 0.05, True),
+]
+
+
+@pytest.mark.parametrize(
+  "name, dtype, layers, k, clip, on_host",
+  CASES,
+  ids=[f"{c[0]}-{c[1]}-L{c[2]}-k{c[3]}-clip{c[4]}-{'host' if c[5] else 'device'}" for c in CASES],
+)
+def test_the_fused_step_equals_plain_optax(name, dtype, layers, k, clip, on_host):
+  make, exact = OPTIMIZERS[name]
+  cfg, params = decoder(layers, jnp.float32 if dtype == "fp32" else jnp.bfloat16)
+  master = None if dtype == "fp32" else jnp.float32
+  steps = 3
+  want = reference(
+    cfg, jax.tree.map(jnp.copy, params), make(), master=master, k=k, clip=clip, steps=steps
+  )
+  got, state = fused(
+    cfg,
+    jax.tree.map(jnp.copy, params),
+    make(),
+    master=master,
+    k=k,
+    clip=clip,
+    steps=steps,
+    on_host=on_host,
+  )
+  if exact and clip is None or exact and clip == 1e6:
+    assert_bits_equal(got, want)
+  else:
+    # A clip that triggers scales by a norm summed layer by layer (optax sums whole leaves: a
+    # different order of float additions), and Adam's bias correction fuses per group.
+    assert_close(want, got)
+  memory = "pinned_host" if on_host else "device"
+  assert all(x.sharding.memory_kind == memory for x in jax.tree.leaves(got["layers"]))
+  inner = oo.to_inner(state if clip is None else state[1])
+  offloaded = [x for x in jax.tree.leaves(inner) if x.size >= 256]
+  assert offloaded and all(x.sharding.memory_kind == "pinned_host" for x in offloaded)
+
+
+def test_several_groups_per_layer_give_the_same_bits():
+  # A small window streams each pair of layers in several groups (one per leaf here).
+  make, _ = OPTIMIZERS["sgd_momentum"]
+  cfg, params = decoder(4, jnp.float32)
+  want = reference(
+    cfg, jax.tree.map(jnp.copy, params), make(), master=None, k=1, clip=None, steps=2
+  )
+  got, _ = fused(
+    cfg,
+    jax.tree.map(jnp.copy, params),
+    make(),
+    master=None,
+    k=1,
+    clip=None,
+    steps=2,
+    on_host=True,
+    window=256 * 1024,
+  )
+  assert_bits_equal(got, want)
+
+
+def loss_twice(cfg, p, t):
+  x = p["embed"][t[:, :-1]]
+  body = lambda x, w: (llama._layer(cfg, x, w), None)  # noqa: E731
+  x, _ = oo.offloaded_scan(body, x, p["layers"])
+  x, _ = oo.offloaded_scan(body, x, p["layers"])
+  return jnp.mean(x.astype(jnp.float32))
+
+
+def test_bad_input_is_refused_with_the_fix(tmp_path):
+  cfg, params = decoder(2, jnp.float32)
+  params = dict(params, layers=oo.to_pinned_host(params["layers"]))
+  loss = functools.partial(streamed_loss_fn, cfg)
+  t = tokens(0, 0, 1)
+
+  multi = optax.MultiSteps(oo.offload(optax.adam(1e-3), min_size=256), 2)
+  with pytest.raises(TypeError, match="accumulate=k"):
+    oo.value_and_update(loss, multi)
+
+  tx = oo.offload(optax.lamb(1e-3), min_size=256)
+  with pytest.raises(ValueError, match="layer by layer"):
+    jax.jit(oo.value_and_update(loss, tx))(params, tx.init(params), t)
+
+  tx = oo.offload(optax.adam(1e-3), min_size=256)
+  with pytest.raises(ValueError, match="twice"):
+    jax.jit(oo.value_and_update(functools.partial(loss_twice, cfg), tx))(params, tx.init(params), t)
+
+  with pytest.raises(ValueError, match="leading micro-batch axis of length 3"):
+    jax.jit(oo.value_and_update(loss, tx, accumulate=3))(params, tx.init(params), t)
+
+  tx = oo.offload(optax.adam(1e-3), min_size=256, host_limit=0, nvme_dir=str(tmp_path))
+  state = tx.init(params)
+  try:
+    with pytest.raises(NotImplementedError, match="NVMe"):
+      jax.jit(oo.value_and_update(loss, tx))(params, state, t)
+  finally:
+    oo.close_nvme(state)
+
+
+def test_a_loss_without_offloaded_scan_updates_like_update_and_apply():
+  # No stack reaches offloaded_scan: every leaf is updated after the backward pass.
+  params = {"w": jnp.ones((64, 64)) * 0.1, "b": jnp.zeros(64)}
+  x = jnp.ones((4, 64))
+
+  def loss(p, x):
+    return jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+
+  tx = oo.offload(optax.sgd(0.1, momentum=0.9), window_bytes="8KiB")
+  state = tx.init(params)
+  _, got, _ = jax.jit(oo.value_and_update(loss, tx))(params, state, x)
+
+  @jax.jit
+  def plain(p, s, x):
+    g = jax.grad(loss)(p, x)
+    return oo.update_and_apply(tx, g, s, p)
+
+  want, _ = plain(params, tx.init(params), x)
+  assert_bits_equal(got, want)
+
+
+def test_the_loss_is_the_mean_over_micro_batches():
+  cfg, params = decoder(2, jnp.float32)
+  tx = oo.offload(optax.sgd(0.0), min_size=256)
+  batch = jnp.stack([tokens(0, m, 3) for m in range(3)])
+  loss, _, _ = jax.jit(
+    oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx, accumulate=3)
+  )(dict(params, layers=oo.to_pinned_host(params["layers"])), tx.init(params), batch)
+  want = np.mean([float(llama.loss_fn(cfg, params, batch[m])) for m in range(3)])
+  np.testing.assert_allclose(float(loss), want, rtol=1e-6)
