@@ -245,7 +245,7 @@ def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts):
     w = tuple(_row(a, i) for a in b.get("stack", leaves))
     extra = {}
     if reads_acc:
-      extra["acc"] = tuple(_row(a, i) for a in io["acc"])
+      extra["acc"] = tuple(_row(a, i) for a in b["acc"])
     if mode == "update":
       extra["parts"] = _part_rows(b["parts"], i, n)
     return w, extra
@@ -315,11 +315,15 @@ def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts):
   def pair(c, k):
     g, wb, gconsts, b, blk, sums = c
     hi = top - 2 * k
-    b = write(b, jnp.where(k == 0, top - 1, hi + 1), blk)
+    # Rows hi-1 and hi-2 are fetched from the buffers before the previous pair's rows (above
+    # them) are written into them; the barrier makes those writes wait for the reads, else XLA
+    # copies every accumulator once per iteration to keep the old one readable (measured).
     wa = fetch(b, hi - 1)  # in flight during layer hi's backward
+    wb_next = fetch(b, jnp.maximum(hi - 2, 0))  # in flight during layer hi-1's backward
+    b, _ = lax.optimization_barrier((b, (wa[1], wb_next[1])))
+    b = write(b, jnp.where(k == 0, top - 1, hi + 1), blk)
     g, gconsts, g_hi = one(g, treedef.unflatten([a[0] for a in wb[0]]), hi, gconsts)
     out_hi, sums = consume(wb[0], g_hi, wb[1], sums)
-    wb_next = fetch(b, jnp.maximum(hi - 2, 0))  # in flight during layer hi-1's backward
     g, gconsts, g_lo = one(g, treedef.unflatten([a[0] for a in wa[0]]), hi - 1, gconsts)
     out_lo, sums = consume(wa[0], g_lo, wa[1], sums)
     blk = jax.tree.map(lambda lo, hi_: jnp.concatenate([lo, hi_]), out_lo, out_hi)
