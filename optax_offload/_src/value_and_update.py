@@ -372,13 +372,13 @@ class _Step:
         f"value_and_update: the optimizer state of stack leaf {path} is in the NVMe tier, which "
         "the update in the backward pass does not read yet; raise host_limit."
       )
-    if _part_shapes(setup, i) and setup.leaves[i].rows != n_layers and not self.splits(i):
+    if setup.part_shapes[i] and setup.leaves[i].rows != n_layers and not self.splits(i):
       raise ValueError(
         f"value_and_update: the update of stack leaf {path} cannot run layer by layer (its "
         "update mixes the layers, e.g. lamb's or lars' trust ratio over the whole leaf, or the "
         "leaf's layer axis is sharded); use jax.value_and_grad and oo.update_and_apply."
       )
-    for shape in _part_shapes(setup, i):
+    for shape in setup.part_shapes[i]:
       if not shape or shape[0] != n_layers:
         raise ValueError(
           f"value_and_update: an optimizer state array of stack leaf {path} (shape {shape}) has "
@@ -453,7 +453,7 @@ class _Step:
             setup.leaves[i].path,
             setup.leaves[i].size * rows // n_layers,
             -(-setup.leaves[i].state_bytes * rows // n_layers),
-            rows=rows if _part_shapes(setup, i) else 0,
+            rows=rows if setup.part_shapes[i] else 0,
           )
           for i in stack_leaves
         ]
@@ -561,11 +561,6 @@ class _Step:
       {},
     )
     return layout.unview(new_state, [])[0]
-
-
-def _part_shapes(setup, i: int) -> list[tuple[int, ...]]:
-  """The shapes of leaf i's state arrays."""
-  return [tuple(x.shape) for x in jax.tree.leaves(setup.parts[i])]
 
 
 def _empty(like, dtype):
