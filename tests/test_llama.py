@@ -94,7 +94,7 @@ def test_a_step_over_micro_batches_applies_their_mean_gradient_once():
   state = tx.init(params)
   new_params, new_state, loss = jax.jit(llama.train_step(cfg, tx))(params, state, tokens)
 
-  per_batch = jax.value_and_grad(lambda p, t: llama.loss_fn(cfg, p, t))
+  per_batch = jax.jit(jax.value_and_grad(lambda p, t: llama.loss_fn(cfg, p, t)))
   losses, grads = zip(*(per_batch(params, t) for t in tokens))
   mean = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
   updates, want_state = tx.update(mean, state, params)
