@@ -245,7 +245,7 @@ def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts):
     w = tuple(_row(a, i) for a in b.get("stack", leaves))
     extra = {}
     if reads_acc:
-      extra["acc"] = tuple(_row(a, i) for a in b["acc"])
+      extra["acc"] = tuple(_row(a, i) for a in b.get("acc", io.get("acc")))
     if mode == "update":
       extra["parts"] = _part_rows(b["parts"], i, n)
     return w, extra
@@ -312,23 +312,36 @@ def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts):
     for key, v in b.items()
   }
 
+  def weights(i):
+    return tuple(_row(a, i) for a in leaves)
+
   def pair(c, k):
-    g, wb, gconsts, b, blk, sums = c
+    g, wb, gconsts, b, blk, sums = c  # wb: layer hi's weights
     hi = top - 2 * k
-    # Rows hi-1 and hi-2 are fetched from the buffers before the previous pair's rows (above
-    # them) are written into them; the barrier makes those writes wait for the reads, else XLA
-    # copies every accumulator once per iteration to keep the old one readable (measured).
-    wa = fetch(b, hi - 1)  # in flight during layer hi's backward
-    wb_next = fetch(b, jnp.maximum(hi - 2, 0))  # in flight during layer hi-1's backward
-    b, _ = lax.optimization_barrier((b, (wa[1], wb_next[1])))
+    wa = weights(hi - 1)  # in flight during layer hi's backward
+    # The pair's accumulator rows (hi-1, hi) arrive during layer hi's backward; the previous
+    # pair's outputs leave during layer hi-1's. The barrier after layer hi orders this
+    # iteration's reads of a buffer before its writes into it (else XLA copies the whole buffer
+    # to keep the old one readable: measured, every accumulator once per iteration), and lets
+    # neither wait on the other earlier than that.
+    rows = {}
+    if reads_acc:
+      rows["acc"] = tuple(_rows(a, hi - 1, 2) for a in b.get("acc", io.get("acc")))
+    g, gconsts, g_hi = one(g, treedef.unflatten([a[0] for a in wb]), hi, gconsts)
+    out_hi, sums = consume(
+      wb, g_hi, {key: tuple(r[1:] for r in v) for key, v in rows.items()}, sums
+    )
+    b, rows, g = lax.optimization_barrier((b, rows, g))
     b = write(b, jnp.where(k == 0, top - 1, hi + 1), blk)
-    g, gconsts, g_hi = one(g, treedef.unflatten([a[0] for a in wb[0]]), hi, gconsts)
-    out_hi, sums = consume(wb[0], g_hi, wb[1], sums)
-    g, gconsts, g_lo = one(g, treedef.unflatten([a[0] for a in wa[0]]), hi - 1, gconsts)
-    out_lo, sums = consume(wa[0], g_lo, wa[1], sums)
+    wb_next = weights(jnp.maximum(hi - 2, 0))  # in flight during layer hi-1's backward
+    g, gconsts, g_lo = one(g, treedef.unflatten([a[0] for a in wa]), hi - 1, gconsts)
+    out_lo, sums = consume(
+      wa, g_lo, {key: tuple(r[:1] for r in v) for key, v in rows.items()}, sums
+    )
     blk = jax.tree.map(lambda lo, hi_: jnp.concatenate([lo, hi_]), out_lo, out_hi)
     return (g, wb_next, gconsts, b, blk, sums), None
 
+  wb = wb[0]
   init = (g, wb, gconsts, b, blk0, sums)
   (g, _, gconsts, b, blk, sums), _ = lax.scan(pair, init, jnp.arange(n // 2))
   b = write(b, 0, blk)

@@ -1,0 +1,341 @@
+"""Modelled training speed on a GPU, from compiled programs: tokens/s per model, card and variant.
+
+Compiles the training step of the Llama-style decoder of `benchmarks.llama` for a GPU target
+without a GPU (`oo.compile_for_gpu`) and models its time with `oo.timeline` at the card's rates
+(`oo.hardware`: every rate with its source). **Every time here is a model of the compiled program,
+not a measurement.** Variants (bf16 weights; AdamW with fp32 first moment for plain optax, with an
+fp32 master copy for the others):
+
+* ``plain_bf16``: plain optax on the device (``optax.adamw(mu_dtype=fp32)``), the micro-batches'
+  gradients accumulated on the device in fp32, one update per step;
+* ``offload_state``: ``oo.offload(adamw, master_dtype=fp32)``, gradients accumulated on the
+  device as for plain optax, then ``oo.update_and_apply`` (the state streams through the window);
+* ``offload_all``: the layer stack's weights and gradients in pinned host memory too
+  (``oo.offloaded_scan``, ``oo.update_and_apply``); one micro-batch per step (the gradients of a
+  stack in host memory are not accumulated by this path);
+* ``fused_state``: ``oo.value_and_update(..., accumulate=k)``: weights on the device, the stack's
+  gradients accumulated into host memory inside each backward pass and the update run inside the
+  last one;
+* ``fused_all``: as ``fused_state`` with the stack's weights in pinned host memory.
+
+How a row is obtained (all modelled): each variant is compiled for the target at two depths of
+the model's width (`--depths`, default 4 and 6 layers) with a micro-batch loop of `ACCUMULATE`
+micro-batches; the time for k micro-batches re-times the same scheduled program with that loop's
+trip count set to k (XLA's schedule of a loop body does not depend on its trip count), and the
+time, device bytes and link bytes of the model's full depth are extrapolated linearly from the two
+depths (the decoder's layers are one scanned loop body; the grouped update's groups grow linearly
+with the layers). `--full-depth` compiles the real depth instead. Host and NVMe bytes are counted
+from the shapes (what the plan puts there).
+
+    python benchmarks/gpu_speed.py --json bench_out/gpu_speed.jsonl      # the default rows
+    python benchmarks/gpu_speed.py --models 13B --targets rtx4090_24gb --variants fused_all
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import optax_offload as oo  # noqa: E402
+from benchmarks import llama  # noqa: E402
+from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
+
+VARIANTS = ("plain_bf16", "offload_state", "offload_all", "fused_state", "fused_all")
+DEFAULT_MODELS = "7B,13B"
+DEFAULT_TARGETS = "rtx4090_24gb,h100_80gb"
+DEFAULT_VARIANTS = "plain_bf16,offload_state,fused_state,fused_all"
+ACCUMULATE = 9
+"""Micro-batches of the compiled programs; other counts re-time the same program (module
+docstring). Its loop's trip count (9, or 7 for the fused variants) is distinct from the layer
+loops' at the compiled depths."""
+SEQ = 2048
+GiB = 1 << 30
+MEMORY = {"h100_80gb": 84978434048, "h100_24gb": 24 * GiB, "rtx4090_24gb": 24 * GiB}
+USABLE = 0.95
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """What a row needs from one compiled program."""
+
+  hlo: str
+  device_bytes: int
+  compile_s: float
+  loop_trip: int | None  # the micro-batch loop's trip count in the HLO (None: no loop)
+
+
+def _params(cfg: llama.Config, variant: str) -> dict:
+  on_host = variant in ("offload_all", "fused_all")
+  return llama.abstract_params(
+    cfg, jnp.bfloat16, sharding=llama.DEVICE, stack_sharding=llama.HOST if on_host else None
+  )
+
+
+def _offload(window: int):
+  return oo.offload(optax.adamw(1e-4), master_dtype=jnp.float32, window_bytes=window)
+
+
+def compile_variant(cfg, variant: str, target: str, micro_batch: int, k: int, window: int):
+  """The training step of `variant` for k micro-batches of `micro_batch` sequences, compiled."""
+  tokens = jax.ShapeDtypeStruct((k, micro_batch, SEQ + 1), jnp.int32, sharding=llama.DEVICE)
+  params = _params(cfg, variant)
+  streamed = variant in ("offload_all", "fused_all", "fused_state")
+  loss = (
+    (lambda p, t: streamed_loss_fn(cfg, p, t))
+    if streamed
+    else (lambda p, t: llama.loss_fn(cfg, p, t))
+  )
+  options = oo.STREAM_XLA_OPTIONS if variant != "plain_bf16" else None
+  trip = None
+  if variant == "plain_bf16":
+    tx = optax.adamw(1e-4, mu_dtype=jnp.float32)
+    state = jax.eval_shape(tx.init, params)
+  else:
+    tx = _offload(window)
+    state = oo.abstract_state(tx, params)
+
+  if variant.startswith("fused"):
+    trip = k - 2 if k > 2 else None
+
+    def step(params, state, tokens):
+      value, params, state = oo.value_and_update(loss, tx, accumulate=k)(params, state, tokens)
+      return params, state, value
+
+  elif variant == "offload_all":
+    if k != 1:
+      raise ValueError("offload_all runs one micro-batch per step")
+
+    def step(params, state, tokens):
+      value, grads = jax.value_and_grad(loss)(params, tokens[0])
+      params, state = oo.update_and_apply(tx, grads, state, params)
+      return params, state, value
+
+  else:
+    trip = k if k > 1 else None
+
+    def step(params, state, tokens):
+      def grads_of(i):
+        return jax.value_and_grad(loss)(params, tokens[i])
+
+      if k == 1:
+        value, grads = grads_of(0)
+      else:
+
+        def body(i, carry):
+          total, acc = carry
+          value, g = grads_of(i)
+          return total + value, jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        total, acc = jax.lax.fori_loop(0, k, body, (jnp.zeros((), jnp.float32), zeros))
+        value = total / k
+        grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+      if variant == "plain_bf16":
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+      else:
+        params, state = oo.update_and_apply(tx, grads, state, params)
+      return params, state, value
+
+  t0 = time.perf_counter()
+  program = oo.compile_for_gpu(
+    step, params, state, tokens, donate_argnums=(0, 1), target=target, xla_flags=options
+  )
+  return Compiled(program.hlo, program.memory.device, time.perf_counter() - t0, trip)
+
+
+def with_trip_count(hlo: str, old: int, new: int) -> str:
+  """The HLO with the micro-batch loop's known trip count `old` set to `new` (one loop only)."""
+  pattern = f'"known_trip_count":{{"n":"{old}"}}'
+  if hlo.count(pattern) != 1:
+    raise ValueError(f"expected one loop with trip count {old}, found {hlo.count(pattern)}")
+  return hlo.replace(pattern, f'"known_trip_count":{{"n":"{new}"}}')
+
+
+def _host_bytes(cfg, variant: str, k: int) -> int:
+  """Pinned host bytes from the shapes: the offloaded state (fp32 master and moments, 12 B per
+  param: every leaf of the decoder is above `min_size`), plus the stack's bf16 weights (and, for
+  `offload_all`, its gradients) when they live in host memory, plus the stack's fp32
+  accumulators while a fused step accumulates several micro-batches."""
+  if variant == "plain_bf16":
+    return 0
+  stack = cfg.layers * (4 * cfg.d * cfg.d + 3 * cfg.d * cfg.ffn + 2 * cfg.d)
+  total = 12 * cfg.params
+  if variant == "offload_all":
+    total += 4 * stack
+  if variant == "fused_all":
+    total += 2 * stack
+  if variant.startswith("fused") and k > 1:
+    total += 4 * stack
+  return total
+
+
+def _per_layer_device_bytes(cfg, variant: str, micro_batch: int, k: int) -> int:
+  """A lower bound of the device bytes each layer adds: its saved input (bf16, the backward's
+  residual under full remat), and for a stack on the device its bf16 weights, plus the bf16
+  gradients and their fp32 accumulator where the gradients exist whole on the device."""
+  layer = 4 * cfg.d * cfg.d + 3 * cfg.d * cfg.ffn + 2 * cfg.d
+  total = micro_batch * SEQ * cfg.d * 2
+  if variant in ("plain_bf16", "offload_state", "fused_state"):
+    total += 2 * layer
+  if variant in ("plain_bf16", "offload_state"):
+    total += 2 * layer + (4 * layer if k > 1 else 0)
+  if variant == "plain_bf16":
+    total += 6 * layer  # fp32 mu, bf16 nu
+  return total
+
+
+def rows_for(name: str, variant: str, target: str, args) -> list[dict]:
+  cfg = dataclasses.replace(llama.CONFIGS[name], attention=args.attention, remat=args.remat)
+  hw = oo.hardware(target, args.host)
+  window = int(args.window_fraction * MEMORY[target])
+  ks = [1] if variant == "offload_all" else sorted({int(k) for k in args.accumulate.split(",")})
+  depths = [cfg.layers] if args.full_depth else [int(d) for d in args.depths.split(",")]
+  k_compiled = 1 if ks == [1] else ACCUMULATE
+  per_depth = []
+  compile_s = 0.0
+  for depth in depths:
+    c = compile_variant(
+      cfg.with_layers(depth), variant, target, args.micro_batch, k_compiled, window
+    )
+    compile_s += c.compile_s
+    times = {}
+    for k in ks:
+      if c.loop_trip is None:
+        hlo = c.hlo
+      else:
+        trip_k = k - 2 if variant.startswith("fused") else k
+        if trip_k < 1:
+          hlo = None  # compiled apart below
+        else:
+          hlo = with_trip_count(c.hlo, c.loop_trip, trip_k)
+      if hlo is None:
+        c1 = compile_variant(cfg.with_layers(depth), variant, target, args.micro_batch, k, window)
+        compile_s += c1.compile_s
+        hlo = c1.hlo
+      times[k] = oo.timeline(hlo, hw)
+    per_depth.append((depth, c.device_bytes, times))
+
+  def extrapolate(values):
+    if len(values) == 1:
+      return values[0][1]
+    (d1, v1), (d2, v2) = values[0], values[-1]
+    return v1 + (cfg.layers - d1) * (v2 - v1) / (d2 - d1)
+
+  rows = []
+  micro_tokens = args.micro_batch * SEQ
+  for k in ks:
+    step_s = extrapolate([(d, t[k].step_s) for d, _, t in per_depth])
+    compute_s = extrapolate([(d, t[k].compute_s) for d, _, t in per_depth])
+    link = extrapolate([(d, t[k].bytes_to_device + t[k].bytes_to_host) for d, _, t in per_depth])
+    device = per_depth[-1][1]
+    if len(per_depth) > 1:  # the measured growth, at least what each layer must add
+      (d1, b1, _), (d2, b2, _) = per_depth[0], per_depth[-1]
+      floor = _per_layer_device_bytes(cfg, variant, args.micro_batch, k)
+      device = int(b2 + (cfg.layers - d2) * max((b2 - b1) / (d2 - d1), floor))
+    host = _host_bytes(cfg, variant, k)
+    tokens = micro_tokens * k
+    fits = device <= USABLE * MEMORY[target]
+    if args.host_memory is not None:
+      fits = fits and host <= args.host_memory
+    row = {
+      "model": name,
+      "params": cfg.params,
+      "target": target,
+      "host": args.host,
+      "variant": variant,
+      "tokens_per_step": tokens,
+      "micro_batch": micro_tokens,
+      "accumulation": k,
+      "fits": bool(fits),
+      "device_bytes": device,
+      "host_bytes": host,
+      "nvme_bytes": 0,
+      "step_s": step_s,
+      "compute_s": compute_s,
+      "link_bytes": link,
+      "link_Bps": hw.h2d_bandwidth,
+      "peak_flops": hw.tensor_flops,
+      "tokens_per_s": tokens / step_s,
+      "model_tflops": 6 * cfg.params * tokens / step_s / 1e12,
+      "mfu": 6 * cfg.params * tokens / step_s / hw.tensor_flops,
+      "step_over_compute": step_s / compute_s,
+      "bottleneck": per_depth[-1][2][k].bottleneck,
+      "compile_s": compile_s,
+      "depths": depths,
+      "modelled": True,
+    }
+    # Honesty: no step faster than its compute or than the peak (the model also floors the step
+    # at each link's busy time).
+    assert step_s >= compute_s * (1 - 1e-9), row
+    assert row["mfu"] <= 1.0, row
+    rows.append(row)
+    print(
+      f"{name:>4} {target:13s} {variant:14s} tokens/step {tokens:>7d} (k={k:3d})"
+      f" step {step_s:8.2f}s compute {compute_s:8.2f}s  {row['model_tflops']:6.1f} TFLOPS"
+      f" {row['tokens_per_s']:8.0f} tok/s device {device / GiB:6.1f} GiB fits {fits!s:5s}"
+      f" [{row['bottleneck']}]",
+      flush=True,
+    )
+  return rows
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+  parser.add_argument("--models", default=DEFAULT_MODELS, help=f"of {', '.join(llama.CONFIGS)}")
+  parser.add_argument("--targets", default=DEFAULT_TARGETS)
+  parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {', '.join(VARIANTS)}")
+  parser.add_argument("--host", default="desktop", help="host profile: desktop or server")
+  parser.add_argument(
+    "--host-memory", default=None, help="pinned host memory available, e.g. 48GiB"
+  )
+  parser.add_argument(
+    "--micro-batch", type=int, default=4, help="sequences of 2048 per micro-batch"
+  )
+  parser.add_argument("--accumulate", default="8,64", help="micro-batches per step")
+  parser.add_argument("--depths", default="4,6", help="compiled depths (layers), extrapolated")
+  parser.add_argument("--full-depth", action="store_true", help="compile the model's real depth")
+  parser.add_argument("--window-fraction", type=float, default=0.1, help="offload window / card")
+  parser.add_argument("--attention", default="flash", choices=llama.ATTENTION)
+  parser.add_argument(
+    "--remat", default="full", choices=llama.REMAT, help="plain and offload_state"
+  )
+  parser.add_argument("--json", default=None, help="write one JSON object per row here")
+  args = parser.parse_args(argv)
+  args.host_memory = oo.parse_bytes(args.host_memory, "--host-memory")
+  for v in args.variants.split(","):
+    if v not in VARIANTS:
+      parser.error(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}")
+  rows = []
+  t0 = time.perf_counter()
+  for target in args.targets.split(","):
+    for name in args.models.split(","):
+      for variant in args.variants.split(","):
+        rows.extend(rows_for(name, variant, target, args))
+  print(
+    f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s (every time a model, not a measurement)"
+  )
+  if args.json:
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+      for r in rows:
+        f.write(json.dumps(r) + "\n")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
