@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
-import re
 import sys
 import time
 
