@@ -8,6 +8,7 @@ compared: offloading moves optimizer state, it must not change the numbers.
   python examples/demo.py --offload nvme       # ... and on disk past --host-limit
   python examples/demo.py --offload none       # plain optax only
   python examples/demo.py --stream-layers      # ... and the block weights in pinned host memory too
+  python examples/demo.py --fused              # ... and the blocks updated inside the backward pass
 """
 
 import argparse
@@ -129,6 +130,25 @@ def stream_train_step(model, optimizer, batch):
   return loss
 
 
+# oo.value_and_update: the loss, its gradients and the update in one call; the block stack (in
+# pinned host memory, applied by oo.offloaded_layers) is updated inside the backward pass, layer by
+# layer, so its gradients never exist whole; the other params are updated after it.
+@nnx.jit(donate_argnames=("model", "optimizer"))
+def fused_train_step(model, optimizer, batch):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params, batch):
+    return loss_fn(nnx.merge(graphdef, params, rest), batch)
+
+  value, params, opt_state = oo.value_and_update(loss, optimizer.tx)(
+    nnx.as_pure(params), nnx.as_pure(optimizer.opt_state), batch
+  )
+  nnx.update(model, params)
+  nnx.update(optimizer.opt_state, nnx.state(opt_state))
+  optimizer.step[...] += 1
+  return value
+
+
 @nnx.jit
 def eval_step(model, batch):
   return loss_fn(model, batch)
@@ -165,7 +185,7 @@ def train(args, txs, train_data, train_offsets, val_batches):
   runs = {}
   for name, tx in txs.items():
     model = GPT(args, nnx.Rngs(args.seed))  # same seed => same init in every run
-    streamed = name == "stream"
+    streamed = name in ("stream", "fused")
     if streamed:
       stack_blocks(model)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -174,7 +194,7 @@ def train(args, txs, train_data, train_offsets, val_batches):
       # other inputs now spares compiling the step a second time at step 1 (5 s on CPU).
       for node in (model, optimizer):
         nnx.update(node, jax.tree.map(lambda x: jax.device_put(x, x.sharding), nnx.state(node)))
-    step_fn = stream_train_step if streamed else train_step
+    step_fn = {"stream": stream_train_step, "fused": fused_train_step}.get(name, train_step)
     runs[name] = dict(model=model, optimizer=optimizer, step_fn=step_fn, losses=[], times=[])
   desc = f"{jax.devices()[0].platform}, state MiB device/host/nvme"
   bar = tqdm(range(args.steps), desc=desc, dynamic_ncols=True)
@@ -223,6 +243,11 @@ def main():
     action="store_true",
     help="blocks stacked in pinned host memory, streamed with oo.offloaded_scan",
   )
+  p.add_argument(
+    "--fused",
+    action="store_true",
+    help="--stream-layers, with the blocks updated inside the backward pass (oo.value_and_update)",
+  )
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--d-model", type=int, default=128)
   p.add_argument("--heads", type=int, default=4)
@@ -243,6 +268,9 @@ def main():
     print("no GPU found, running on CPU")
   if args.offload != "none" and not hasattr(oo, "offload"):
     p.error("optax_offload is not importable here; use --offload none")
+  if args.fused and args.offload != "host":
+    p.error("--fused needs --offload host (the update in the backward pass reads host memory)")
+  args.stream_layers = args.stream_layers or args.fused
   if args.stream_layers and (args.offload == "none" or args.update_on != "device"):
     p.error("--stream-layers needs --offload host or nvme and --update-on device")
 
@@ -259,7 +287,8 @@ def main():
     if args.offload != "none":
       # With --offload nvme and no budget, cap the host tier so the demo's few MiB reach the disk.
       host_limit = args.host_limit or ("1MiB" if args.offload == "nvme" else None)
-      txs["stream" if args.stream_layers else args.offload] = oo.offload(
+      name = "fused" if args.fused else ("stream" if args.stream_layers else args.offload)
+      txs[name] = oo.offload(
         optax.adamw(args.lr),
         host_limit=host_limit,
         nvme_dir=(args.nvme_dir or tmp) if args.offload == "nvme" else None,

@@ -22,6 +22,7 @@ host memory and sums their squares, and the update runs after it, streamed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,8 @@ from optax_offload._src import separable
 from optax_offload._src import stream
 from optax_offload._src import tree_setup as setup_lib
 from optax_offload._src.state import OffloadState
+
+logger = logging.getLogger(__name__)
 
 _HOST = jax.memory.Space.Host
 _DEVICE = jax.memory.Space.Device
@@ -224,6 +227,11 @@ class _Step:
     self.stacks = stacks
     fused = {i for s, _ in stacks for i in s}
     self.fused = fused
+    logger.info(
+      "value_and_update: %s updated inside the backward pass; %d other leaves after it",
+      ", ".join(f"{paths[s[0]]} (+{len(s) - 1} leaves, {n} layers)" for s, n in stacks) or "nothing",
+      len(leaves) - len(fused),
+    )
     rest = [i for i in range(len(leaves)) if i not in fused]
 
     clip = self.s.clip is not None
