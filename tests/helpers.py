@@ -76,6 +76,34 @@ def nvme_optimizers() -> tuple[Optimizer, ...]:
   return tuple(o for o in OPTIMIZERS if o.nvme_host_limit is not None)
 
 
+def gpu_compile_or_skip(module_level: bool = False) -> None:
+  """Skips a test of the XLA:GPU program where the CUDA PJRT plugin is not installed.
+
+  Fails it instead where the plugin's distributions are installed but it does not import, or under
+  CI (``CI`` set), which installs the ``[test]`` extra: a broken extra must not pass as skipped.
+  """
+  import importlib.metadata
+
+  installed = []
+  for dist in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
+    try:
+      installed.append(f"{dist} {importlib.metadata.version(dist)}")
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  try:
+    import jax_plugins.xla_cuda12  # noqa: F401
+  except ImportError as e:
+    if installed or os.environ.get("CI"):
+      pytest.fail(
+        f"the CUDA PJRT plugin does not import ({e}) with {installed or 'none'} installed; "
+        "reinstall the test extra: pip install -e '.[test]'",
+        pytrace=False,
+      )
+    pytest.skip(
+      "needs the CUDA PJRT plugin (pip install -e '.[test]')", allow_module_level=module_level
+    )
+
+
 def child_env(**changes: str | None) -> dict[str, str]:
   """The environment of a child: this process's, with this directory and the repository's root on
   ``PYTHONPATH``.
