@@ -10,7 +10,10 @@ import these as ``from helpers import ...``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -18,8 +21,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import optax
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
 class Optimizer(NamedTuple):
@@ -71,13 +76,46 @@ def nvme_optimizers() -> tuple[Optimizer, ...]:
   return tuple(o for o in OPTIMIZERS if o.nvme_host_limit is not None)
 
 
+def gpu_compile_or_skip(module_level: bool = False) -> None:
+  """Skips a test of the XLA:GPU program where the CUDA PJRT plugin is not installed.
+
+  Fails it instead where the plugin's distributions are installed but it does not import, or under
+  CI (``CI`` set), which installs the ``[test]`` extra: a broken extra must not pass as skipped.
+  """
+  import importlib.metadata
+
+  installed = []
+  for dist in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
+    try:
+      installed.append(f"{dist} {importlib.metadata.version(dist)}")
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  try:
+    import jax_plugins.xla_cuda12  # noqa: F401
+  except ImportError as e:
+    if installed or os.environ.get("CI"):
+      pytest.fail(
+        f"the CUDA PJRT plugin does not import ({e}) with {installed or 'none'} installed; "
+        "reinstall the test extra: pip install -e '.[test]'",
+        pytrace=False,
+      )
+    pytest.skip(
+      "needs the CUDA PJRT plugin (pip install -e '.[test]')", allow_module_level=module_level
+    )
+
+
 def child_env(**changes: str | None) -> dict[str, str]:
-  """The environment of a child: this process's, with this directory on ``PYTHONPATH``.
+  """The environment of a child: this process's, with this directory and the repository's root on
+  ``PYTHONPATH``.
+
+  The root comes first so that a child imports the checkout under test (and `benchmarks`), as the
+  tests do, not another installed copy of the library (an editable install of another worktree).
 
   Args:
     **changes: variables to set, or to remove (None).
   """
-  env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  path = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
+  env = dict(os.environ, PYTHONPATH=path)
   for name, value in changes.items():
     if value is None:
       env.pop(name, None)
@@ -142,3 +180,90 @@ def kill_child(proc: subprocess.Popen) -> None:
   for pipe in (proc.stdin, proc.stdout, proc.stderr):
     if pipe is not None:
       pipe.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults of the file system: a real one where the test runs as root and may mount ("mount"), and
+# the same errors injected into the system calls the NVMe store makes, in any process ("injected").
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(directory: pathlib.Path, options: str):
+  """Mounts a tmpfs on `directory` (needs root); skips the test if that is impossible."""
+  directory.mkdir(parents=True, exist_ok=True)
+  if os.geteuid() != 0:
+    pytest.skip("mounting a small filesystem needs root")
+  result = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  if result.returncode != 0:
+    pytest.skip(f"cannot mount tmpfs here: {result.stderr.strip()}")
+  try:
+    yield directory
+  finally:
+    subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def _under(path, directory) -> bool:
+  return os.path.realpath(path).startswith(os.path.realpath(directory) + os.sep)
+
+
+@contextlib.contextmanager
+def read_only(directory: pathlib.Path, how: str):
+  """`directory` refuses writes: a read-only tmpfs mounted on it (needs root), or, in any process,
+  ``EROFS`` from every ``os.open`` for writing and ``os.mkdir`` under it (fault injection)."""
+  if how == "mount":
+    with mounted_tmpfs(directory, "ro,size=1m") as target:
+      yield target
+    return
+  directory.mkdir(parents=True, exist_ok=True)
+  real_open, real_mkdir = os.open, os.mkdir
+
+  def refuse(path):
+    if _under(os.path.join(path, "x"), directory):
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+  def fake_open(path, flags, *args, **kwargs):
+    if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+      refuse(path)
+    return real_open(path, flags, *args, **kwargs)
+
+  def fake_mkdir(path, *args, **kwargs):
+    refuse(path)
+    return real_mkdir(path, *args, **kwargs)
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(os, "open", fake_open)
+    m.setattr(os, "mkdir", fake_mkdir)
+    yield directory
+
+
+@contextlib.contextmanager
+def small_disk(directory: pathlib.Path, nbytes: int, how: str):
+  """`directory` holds at most about `nbytes` of files: a tmpfs of that size (needs root), or, in
+  any process, ``ENOSPC`` from the store's chunk writes (``os.pwrite``) once the files under it
+  would hold more (fault injection)."""
+  if how == "mount":
+    with mounted_tmpfs(directory, f"size={nbytes}") as target:
+      yield target
+    return
+  directory.mkdir(parents=True, exist_ok=True)
+  real_pwrite = os.pwrite
+
+  def used() -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+  def fake_pwrite(fd, data, offset):
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    if _under(path, directory):
+      grows = max(0, offset + memoryview(data).nbytes - os.fstat(fd).st_size)
+      if used() + grows > nbytes:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    return real_pwrite(fd, data, offset)
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(os, "pwrite", fake_pwrite)
+    yield directory

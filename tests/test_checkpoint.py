@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 
 import checkpoint_child as child
 import jax
@@ -397,9 +398,26 @@ def test_standard_save_of_an_nvme_state_names_offload_save(fast_dir):
   oo.close_nvme(s)
 
 
-def test_read_only_checkpoint_directory(tmp_path):
+def _make_read_only(directory: pathlib.Path) -> Callable[[], None]:
+  """Makes `directory` refuse writes, and returns what undoes it: a read-only bind mount for root
+  (which ignores permission bits), read-only permission bits for anyone else."""
   if os.geteuid() != 0:
-    pytest.skip("a read-only bind mount needs root (root also ignores permission bits)")
+    dirs = [directory, *(p for p in directory.rglob("*") if p.is_dir())]
+    for d in dirs:
+      d.chmod(0o555)
+    return lambda: [d.chmod(0o755) for d in dirs]
+  mount = subprocess.run(
+    f"mount --bind {directory} {directory} && mount -o remount,ro,bind {directory}",
+    shell=True,
+    capture_output=True,
+    text=True,
+  )
+  if mount.returncode != 0:
+    pytest.skip(f"cannot make a read-only bind mount here: {mount.stderr.strip()}")
+  return lambda: subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def test_read_only_checkpoint_directory(tmp_path):
   ckpt = tmp_path / "ckpt"
   ckpt.mkdir()
   params = child.committed_params()
@@ -407,14 +425,7 @@ def test_read_only_checkpoint_directory(tmp_path):
   s = tx.init(params)
   _save(ckpt, 0, params, s)
   before = _digest(ckpt)
-  mount = subprocess.run(
-    f"mount --bind {ckpt} {ckpt} && mount -o remount,ro,bind {ckpt}",
-    shell=True,
-    capture_output=True,
-    text=True,
-  )
-  if mount.returncode != 0:
-    pytest.skip(f"cannot make a read-only bind mount here: {mount.stderr.strip()}")
+  undo = _make_read_only(ckpt)
   try:
     # Orbax's default asynchronous directory creation leaves its own threads waiting for the
     # directory for minutes when creating it fails; creating it in the caller fails at once.
@@ -422,13 +433,13 @@ def test_read_only_checkpoint_directory(tmp_path):
       async_options=ocp.AsyncOptions(create_directories_asynchronously=False)
     )
     with ocp.CheckpointManager(ckpt, options=options) as mngr:
-      with pytest.raises(OSError, match="Read-only file system"):
+      with pytest.raises(OSError, match="Read-only file system|Permission denied"):
         mngr.save(1, args=child.save_args(params, s))
         mngr.wait_until_finished()
       tx2 = child.make_tx("adamw", "mixed", tmp_path / "nvme_b")
       restored = mngr.restore(0, args=child.restore_args(params, tx2.init(params)))
   finally:
-    subprocess.run(["umount", "-l", str(ckpt)], check=False)
+    undo()
   assert bits_equal(oo.to_inner(s), oo.to_inner(restored["opt_state"]))
   assert _digest(ckpt) == before
   store_manifest = json.loads((tmp_path / "nvme" / "process_0" / "MANIFEST.json").read_text())

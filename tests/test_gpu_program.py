@@ -9,15 +9,15 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import gpu_compile_or_skip
 
 import optax_offload as oo
 from optax_offload._src import gpu_program
 
-pytest.importorskip(
-  "jax_plugins.xla_cuda12", reason="needs the CUDA PJRT plugin (pip install .[test])"
-)
+gpu_compile_or_skip(module_level=True)
 
 MiB = 1 << 20
+DIRECTIONS = ("to_device", "to_host")
 
 
 def abstract_params(leaves: int, shape: tuple[int, ...], dtype=jnp.float32) -> dict:
@@ -42,6 +42,38 @@ def compile_step(tx, params, *, apply: bool = True, target: str = "h100_80gb"):
   )
 
 
+def copies(schedule, direction: str) -> tuple[int, int, int]:
+  """(copies in flight during an update, all copies, bytes) in one direction; a schedule in which
+  the reader finds no copies fails here, whatever else the test checks."""
+  hit, total = schedule.overlap(direction)
+  assert total > 0, f"no {direction} copies found in the schedule"
+  return hit, total, sum(c.nbytes for c in schedule.copies if c.direction == direction)
+
+
+def assert_streams(program, window: int, state_bytes: int, temp_ratio: float, counts: dict):
+  """The update streams as docs/gpu.md's table says.
+
+  Args:
+    program: the compiled step.
+    window: its window_bytes.
+    state_bytes: the offloaded state, which crosses the link once each way.
+    temp_ratio: device temporaries over the window, as the table gives it (two decimals).
+    counts: direction -> (copies in flight during an update, all copies), as the table gives them.
+  """
+  memory, schedule = program.memory, program.schedule
+  assert memory.temp <= window, memory  # README: the window bounds the update's temporaries
+  assert round(memory.temp / window, 2) <= temp_ratio, memory.temp / window
+  assert memory.host_temp == 0  # new state is written into the donated host arrays
+  for direction in DIRECTIONS:
+    hit, total, nbytes = copies(schedule, direction)
+    want_hit, want_total = counts[direction]
+    assert nbytes == state_bytes, (direction, nbytes)
+    # Only the copies the docs name may miss: the first group's arrival (its mu and nu) and the
+    # last group's departure; the table says which of them did.
+    assert total == want_total and hit >= want_hit, (direction, hit, total)
+    assert total - hit <= 2, (direction, hit, total)
+
+
 def test_harness_reports_device_and_host_bytes_and_copies():
   host = jax.sharding.NamedSharding(
     jax.sharding.Mesh(jax.devices("cpu")[:1], ("d",)),
@@ -56,6 +88,9 @@ def test_harness_reports_device_and_host_bytes_and_copies():
   (copy,) = program.schedule.copies
   assert (copy.direction, copy.nbytes) == ("to_device", 1 * MiB)
   assert not copy.in_flight_during_compute  # nothing else to compute while it is in flight
+  assert program.schedule.overlap_fraction("to_device") == 0.0
+  with pytest.raises(ValueError, match="no to_host copies"):  # not a perfect 1.0
+    program.schedule.overlap_fraction("to_host")
   assert program.compile_seconds > 0
 
 
@@ -64,19 +99,19 @@ def test_unknown_target_is_refused():
     gpu_program.target_config("a100")
 
 
-@pytest.mark.parametrize("window_mib", [16, 32, 64])
-def test_update_streams_through_the_window(window_mib):
+# docs/gpu.md's table (`python benchmarks/gpu_stream.py`): window, device temp / window, copies in
+# flight during an update / all copies, to the device and back.
+@pytest.mark.parametrize(
+  "window_mib, temp_ratio, to_device, to_host",
+  [(16, 0.57, (62, 64), (64, 64)), (32, 0.60, (32, 32), (32, 32)), (64, 0.30, (32, 32), (32, 32))],
+)
+def test_update_streams_through_the_window(window_mib, temp_ratio, to_device, to_host):
   # The issue's case: AdamW, 16 leaves of 1024x1024 f32 (state 128 MiB), donated step.
   params = abstract_params(16, (1024, 1024))
   tx = oo.offload(optax.adamw(1e-3), window_bytes=window_mib * MiB)
   program = compile_step(tx, params)
-  schedule = program.schedule
-  assert program.memory.temp <= 1.10 * window_mib * MiB + MiB, program.memory
-  assert program.memory.host_temp == 0  # row slices are written into the donated host arrays
-  for direction in ("to_device", "to_host"):
-    hit, total = schedule.overlap(direction)
-    assert sum(c.nbytes for c in schedule.copies if c.direction == direction) == 128 * MiB
-    assert hit >= 0.8 * total, (direction, hit, total)
+  counts = {"to_device": to_device, "to_host": to_host}
+  assert_streams(program, window_mib * MiB, 128 * MiB, temp_ratio, counts)
 
 
 def test_update_streams_at_a_realistic_size():
@@ -84,22 +119,52 @@ def test_update_streams_at_a_realistic_size():
   params = abstract_params(16, (4096, 4096))
   tx = oo.offload(optax.adamw(1e-3), window_bytes=512 * MiB)
   program = compile_step(tx, params)
-  assert program.memory.temp <= 1.10 * 512 * MiB + MiB
-  for direction in ("to_device", "to_host"):
-    assert program.schedule.overlap_fraction(direction) >= 0.8, direction
+  counts = {"to_device": (30, 32), "to_host": (32, 32)}
+  assert_streams(program, 512 * MiB, 2048 * MiB, 0.56, counts)
+
+
+STACKED = {"layers": jax.ShapeDtypeStruct((32, 4096, 2048), jnp.float32)}
+"""One leaf of 32 stacked layers, as lax.scan models keep them: 1 GiB of params, 2 GiB of state."""
 
 
 def test_a_stacked_leaf_streams_in_row_slices():
-  # One leaf of 32 stacked layers, as lax.scan models keep them: 1 GiB of params, 2 GiB of state.
-  params = {"layers": jax.ShapeDtypeStruct((32, 4096, 2048), jnp.float32)}
   tx = oo.offload(optax.adamw(1e-3), window_bytes=256 * MiB)
+  program = compile_step(tx, STACKED)
+  # Every row of mu and nu in and out once, in 32 slices of each.
+  counts = {"to_device": (62, 64), "to_host": (64, 64)}
+  assert_streams(program, 256 * MiB, 2048 * MiB, 0.56, counts)
+
+
+def test_tx_update_of_a_row_sliced_leaf_assembles_its_updates_on_the_device():
+  # What the window does not bound (README, docs/gpu.md): with tx.update, a leaf updated in row
+  # slices leaves the update as one param-sized buffer of updates, and with the gradients as
+  # arguments XLA copies it once more: 2 GiB of temporaries for a 256 MiB window (8.25x).
+  tx = oo.offload(optax.adamw(1e-3), window_bytes=256 * MiB)
+  program = compile_step(tx, STACKED, apply=False)
+  param_bytes = 1024 * MiB
+  assert 2 * param_bytes <= program.memory.temp <= 2 * param_bytes + 256 * MiB, program.memory
+  assert round(program.memory.temp / (256 * MiB), 2) == 8.25
+  # The state still streams in: 62 of 64 copies in flight during an update; on the way back only
+  # 4 are (docs/gpu.md's table), the updates waiting for the whole leaf.
+  assert copies(program.schedule, "to_device") == (62, 64, 2048 * MiB)
+  assert copies(program.schedule, "to_host") == (4, 64, 2048 * MiB)
+
+
+def test_the_host_update_holds_the_params_updates_on_the_device_and_twice_the_state_on_the_host():
+  # update_on="host" (README's status, docs/gpu.md): XLA:GPU runs every group in one host call, so
+  # the device holds all gradients' updates at once, whatever the window (64 MiB: 4x a 16 MiB
+  # window here), and the host call's temporaries are twice the state.
+  params = abstract_params(16, (1024, 1024))
+  tx = oo.offload(optax.adamw(1e-3), window_bytes=16 * MiB, update_on="host")
   program = compile_step(tx, params)
-  assert program.memory.temp <= 1.10 * 256 * MiB + MiB
-  assert program.memory.host_temp == 0
-  moved = sum(c.nbytes for c in program.schedule.copies if c.direction == "to_device")
-  assert moved == 2 * 1024 * MiB  # every row of mu and nu, once
-  assert program.schedule.overlap_fraction("to_device") >= 0.8
-  assert program.schedule.overlap_fraction("to_host") >= 0.8
+  param_bytes, state_bytes = 64 * MiB, 128 * MiB
+  assert param_bytes <= program.memory.temp <= param_bytes + MiB, program.memory
+  assert 2 * state_bytes <= program.memory.host_temp <= 2 * state_bytes + MiB, program.memory
+  schedule = program.schedule
+  # Gradients and params go to the host, updates come back; none of it overlaps the host call.
+  assert copies(schedule, "to_host") == (0, 64, 2 * param_bytes)
+  assert copies(schedule, "to_device") == (0, 32, param_bytes)
+  assert len(schedule.host_compute) == 1
 
 
 def test_abstract_and_concrete_inputs_compile_to_the_same_copies():
@@ -112,7 +177,7 @@ def test_abstract_and_concrete_inputs_compile_to_the_same_copies():
   def step(params, state, grads):
     return oo.update_and_apply(tx, grads, state, params)
 
-  def copies(program):
+  def copy_list(program):
     return [(c.direction, c.nbytes) for c in program.schedule.copies]
 
   concrete = gpu_program.compile_for_gpu(step, params, state, params, donate_argnums=(0, 1))
@@ -124,8 +189,10 @@ def test_abstract_and_concrete_inputs_compile_to_the_same_copies():
     for t in (params, state)
   )
   from_own = gpu_program.compile_for_gpu(step, own_params, own, own_params, donate_argnums=(0, 1))
-  assert copies(concrete) == copies(from_abstract) == copies(from_own)
-  assert len(copies(concrete)) > 0
+  assert copy_list(concrete) == copy_list(from_abstract) == copy_list(from_own)
+  # mu and nu of each 2 MiB leaf, in and out once.
+  assert sum(n for d, n in copy_list(concrete) if d == "to_device") == 4 * 2 * 2 * MiB
+  assert sum(n for d, n in copy_list(concrete) if d == "to_host") == 4 * 2 * 2 * MiB
   assert concrete.memory == from_abstract.memory == from_own.memory
 
 
@@ -152,13 +219,14 @@ def test_the_24gb_target_compiles():
     oo.offload(optax.adamw(1e-3), window_bytes=16 * MiB), params, target="h100_24gb"
   )
   assert program.target == "h100_24gb"
-  assert program.memory.temp <= 1.10 * 16 * MiB + MiB
+  assert_streams(program, 16 * MiB, 32 * MiB, 0.57, {"to_device": (14, 16), "to_host": (16, 16)})
 
 
 def test_a_stacked_llama_step_keeps_the_state_off_the_device():
   # A small Llama-style decoder (layers stacked under lax.scan, remat, bf16 params), the training
   # step compiled for the 24 GiB target: with offload_state the device holds bf16 params and grads
-  # (4 B/param) plus the window and activations; plain optax with fp32 moments holds 10 B/param more.
+  # (4 B/param) plus the window and activations (measured 4.78 B/param in all); plain optax
+  # (bf16 params, fp32 mu, bf16 nu) holds 6 B/param of state more, less the window.
   from benchmarks import gpu_memory
   from benchmarks import llama
 
@@ -168,8 +236,8 @@ def test_a_stacked_llama_step_keeps_the_state_off_the_device():
   off = gpu_memory.compile_step(cfg, "offload_state", "h100_24gb", window, seq=256)
   weights_and_grads = 4 * cfg.params
   assert off.memory.host >= 0.99 * 12 * cfg.params  # fp32 master, mu, nu in pinned host memory
-  assert off.memory.device <= weights_and_grads + 1.1 * window + 0.25 * weights_and_grads
-  assert plain.device - off.memory.device >= 5 * cfg.params
+  assert weights_and_grads + window <= off.memory.device <= 4.8 * cfg.params, off.memory
+  assert plain.device - off.memory.device >= 6 * cfg.params - window, (plain, off.memory)
 
 
 def test_host_update_moves_only_gradients_params_and_updates():
@@ -186,8 +254,8 @@ def test_host_update_moves_only_gradients_params_and_updates():
   program = compile_step(tx, params, apply=False)
   n = sum(x.size for x in jax.tree.leaves(params))
   schedule = program.schedule
-  assert sum(c.nbytes for c in schedule.copies if c.direction == "to_host") == 2 * 2 * n
-  assert sum(c.nbytes for c in schedule.copies if c.direction == "to_device") == 4 * n
+  assert copies(schedule, "to_host")[2] == 2 * 2 * n  # bf16 gradients and params
+  assert copies(schedule, "to_device")[2] == 4 * n  # fp32 updates
   assert schedule.host_compute
   assert program.memory.host_argument >= 12 * n * 0.99  # master, mu, nu stay in host memory
 
@@ -216,21 +284,21 @@ def test_params_and_grads_in_host_memory_stream_with_the_state():
   )
   n = 16 * 1024 * 2048
   memory, schedule = program.memory, program.schedule
-  assert memory.temp <= 1.10 * 80 * MiB + MiB, memory
+  assert memory.temp <= 80 * MiB and round(memory.temp / (80 * MiB), 2) <= 0.88, memory
   assert memory.host_temp == 0
   assert memory.host_alias == memory.host_output == 14 * n  # new params and state, donated
-  moved = {
-    d: sum(c.nbytes for c in schedule.copies if c.direction == d) for d in ("to_device", "to_host")
-  }
-  assert moved == {"to_device": 16 * n, "to_host": 14 * n}  # grads come in; params, state both ways
-  for direction in ("to_device", "to_host"):
-    assert schedule.overlap_fraction(direction) >= 0.8, (direction, schedule.overlap(direction))
+  # Grads come in; params and state both ways. In flight during an update (docs/layers.md): every
+  # copy in, all but the last slice's last copy out (80/80, 63/64 measured).
+  assert copies(schedule, "to_device") == (80, 80, 16 * n)
+  hit, total, nbytes = copies(schedule, "to_host")
+  assert (total, nbytes) == (64, 14 * n) and hit >= total - 1, (hit, total)
 
 
 def test_a_stacked_llama_step_with_the_weights_offloaded_too():
   # The same step with the layer stack's bf16 weights and gradients in pinned host memory too
-  # (offloaded_scan + update_and_apply on host params): of the stack, the device holds a few layers
-  # of weights and gradients (3 and 4) instead of all 24; the host holds them beside the state.
+  # (offloaded_scan + update_and_apply on host params): the device no longer holds the stack's
+  # weights and gradients (it streams a few layers of them, within what else the step frees:
+  # measured 24.5 layers' worth less device memory); the host holds them beside the state.
   from benchmarks import gpu_memory
   from benchmarks import llama
 
@@ -241,4 +309,4 @@ def test_a_stacked_llama_step_with_the_weights_offloaded_too():
   both = gpu_memory.compile_step(cfg, "offload_all", "h100_24gb", window, seq=256).memory
   assert both.host >= 0.99 * (12 * cfg.params + 4 * stack)  # state, and the stack's weights + grads
   off_device = state.device - both.device
-  assert off_device >= 4 * stack * (24 - 7) / 24 * 0.9, (state.device, both.device)
+  assert off_device >= 4 * stack, (state.device, both.device)

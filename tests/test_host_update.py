@@ -12,6 +12,7 @@ from conftest import bits_equal
 from conftest import make_grads
 from conftest import make_params
 from conftest import train
+from helpers import gpu_compile_or_skip
 from helpers import optimizers
 
 import optax_offload as oo
@@ -68,7 +69,7 @@ def test_host_update_with_nvme_tier(tmp_path):
 
 
 def test_gpu_program_keeps_state_on_the_host():
-  pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the CUDA PJRT plugin")
+  gpu_compile_or_skip()
   from optax_offload._src import gpu_program
 
   params = {f"w{i}": jnp.full((64, 128), 0.1, jnp.float32) for i in range(4)}

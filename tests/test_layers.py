@@ -6,7 +6,6 @@ for an H100 (compiled without a GPU).
 """
 
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_close
+from helpers import gpu_compile_or_skip
 from jax import lax
 
 import optax_offload as oo
@@ -214,11 +214,8 @@ def test_a_body_that_changes_the_carry_is_refused():
     oo.offloaded_scan(body, jnp.ones((1, 4)), stack)
 
 
-@pytest.mark.skipif(
-  importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-  reason="needs the CUDA PJRT plugin (pip install .[test])",
-)
 def test_the_gpu_program_streams_one_layer_ahead():
+  gpu_compile_or_skip()
   # 24 layers of 8 MiB (bf16 MLP blocks), stack 192 MiB; value_and_grad compiled for the 24 GiB
   # H100 target with the options the overlap needs.
   layers, d, f = 24, 1024, 2048
@@ -246,12 +243,19 @@ def test_the_gpu_program_streams_one_layer_ahead():
   for loop in loops:  # each layer's copy-in runs while a matmul of the layer before computes
     hit, total = schedule.overlap("to_device", matmul=True, computation=loop)
     assert total == 4 and hit == total, (loop, hit, total)
-  for direction in ("to_device", "to_host"):
+  # Per iteration, against matmuls: every copy-in but the first layer's of each pass (one per
+  # leaf), and every gradient write but one per leaf (96/100, 24/26 measured). The stack comes in
+  # twice (forward, backward) and its gradient goes back once, each with 2 layers more (docs/
+  # layers.md, Limits: the last layer fetched twice, a two-layer block of zeros written).
+  for direction, misses, stacks in (("to_device", 4, 2), ("to_host", 2, 1)):
     hit, total = schedule.overlap(direction, per_execution=True, matmul=True)
-    assert hit >= 0.8 * total, (direction, hit, total)
+    assert total > 0 and total - hit <= misses, (direction, hit, total)
     moved = sum(
       c.nbytes * schedule.executions(c.computation)
       for c in schedule.copies
       if c.direction == direction
     )
-    assert moved >= (2 if direction == "to_device" else 1) * stack_bytes, (direction, moved)
+    assert stacks * stack_bytes <= moved <= stacks * stack_bytes + 2 * layer_bytes, (
+      direction,
+      moved,
+    )

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import gpu_compile_or_skip
 from jax import lax
 
 from benchmarks import llama
@@ -115,7 +116,7 @@ def _while_shapes(hlo: str) -> str:
 
 
 def test_the_causal_mask_is_not_carried_across_the_layers():
-  pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the CUDA PJRT plugin")
+  gpu_compile_or_skip()
   from optax_offload._src import gpu_program
 
   cfg = llama.Config(d=256, layers=3, ffn=512, heads=4, vocab=1024)
@@ -134,7 +135,7 @@ def test_the_causal_mask_is_not_carried_across_the_layers():
 
 
 def test_flash_attention_and_saved_projections_compile_for_the_gpu():
-  pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the CUDA PJRT plugin")
+  gpu_compile_or_skip()
   from optax_offload._src import hlo_cost
 
   base = llama.Config(d=256, layers=2, ffn=512, heads=2, vocab=1024)

@@ -1,6 +1,5 @@
 """Tests for the NVMe store (`optax_offload/_src/nvme/`): protocol, files on disk, locks and crashes."""
 
-import contextlib
 import errno
 import gc
 import json
@@ -20,6 +19,8 @@ import pytest
 import tensorstore as ts
 import xxhash
 from helpers import child_env
+from helpers import read_only
+from helpers import small_disk
 from helpers import start_child
 
 from optax_offload._src import nvme
@@ -506,6 +507,43 @@ def test_a_dropped_store_commits_its_queue_and_releases_the_lock(tmp_path):
     _assert_bit_equal(store.read_generation(), reference)
 
 
+def test_a_commit_makes_its_data_durable_before_it_publishes_the_manifest(tmp_path, monkeypatch):
+  # What crash safety rests on, and a SIGKILL cannot see (the page cache survives it, a power cut
+  # does not): the generation's files and directories, and the store directory that names the
+  # generation's directory, are fsynced before MANIFEST.json is replaced; the new manifest is
+  # fsynced before it replaces the old one; the store directory is fsynced after the replace.
+  events = []
+  real_fsync, real_replace = os.fsync, os.replace
+
+  def fsync(fd):
+    events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+    real_fsync(fd)
+
+  def replace(src, dst, *args, **kwargs):
+    real_replace(src, dst, *args, **kwargs)
+    events.append(("replace", os.path.realpath(src), os.path.realpath(dst)))
+
+  directory = pathlib.Path(os.path.realpath(tmp_path))
+  values = _values(_GROUPS, 11)
+  with NvmeStore(directory, _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    _run_protocol(store, _GROUPS, dict(values), start=0, steps=1)
+    store.sync()
+    monkeypatch.undo()
+  manifest = str(directory / "MANIFEST.json")
+  (publish,) = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == manifest]
+  before = {e[1] for e in events[:publish] if e[0] == "fsync"}
+  after = {e[1] for e in events[publish + 1 :] if e[0] == "fsync"}
+  generation = directory / "gen_00000001"
+  data = {str(p) for p in generation.rglob("*") if p.is_file()}
+  assert len(data) >= 10 and data <= before  # chunk files and zarr.json of every leaf
+  assert {str(generation)} | {str(p) for p in generation.rglob("*") if p.is_dir()} <= before
+  assert {str(directory), manifest + ".tmp"} <= before
+  assert str(directory) in after
+
+
 def test_pin_keeps_a_generation(tmp_path):
   values = _values(_GROUPS, 4)
   with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK) as store:
@@ -612,42 +650,25 @@ def test_path_under_a_regular_file(tmp_path):
     NvmeStore(tmp_path / "file", _GROUPS)
 
 
-@contextlib.contextmanager
-def _mounted_tmpfs(directory: pathlib.Path, options: str):
-  """Mounts a tmpfs on `directory` (needs root); skips the test if that is impossible."""
-  directory.mkdir(parents=True, exist_ok=True)
-  if os.geteuid() != 0:
-    pytest.skip("mounting a small filesystem needs root")
-  result = subprocess.run(
-    ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
-    capture_output=True,
-    text=True,
-    check=False,
-  )
-  if result.returncode != 0:
-    pytest.skip(f"cannot mount tmpfs here: {result.stderr.strip()}")
-  try:
-    yield directory
-  finally:
-    subprocess.run(["umount", "-l", str(directory)], check=False)
-
-
-def test_unwritable_directory(tmp_path):
-  if os.geteuid() != 0:
-    target = tmp_path / "ro"
-    target.mkdir()
-    target.chmod(0o500)
+@pytest.mark.parametrize("how", ["mount", "injected"])
+def test_a_read_only_directory_is_refused_with_the_fix(tmp_path, how):
+  with read_only(tmp_path / "ro", how) as target:
     with pytest.raises(PermissionError, match="not writable.*writable nvme_dir"):
       NvmeStore(target, _GROUPS)
     with pytest.raises(PermissionError, match="cannot create.*writable nvme_dir"):
       NvmeStore(target / "sub", _GROUPS)
-    return
-  # Root ignores permission bits; a read-only filesystem still refuses writes.
-  with _mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as target:
-    with pytest.raises(PermissionError, match="not writable.*writable nvme_dir"):
-      NvmeStore(target, _GROUPS)
-    with pytest.raises(PermissionError, match="cannot create.*writable nvme_dir"):
-      NvmeStore(target / "sub", _GROUPS)
+
+
+def test_a_directory_without_write_permission_is_refused_with_the_fix(tmp_path):
+  if os.geteuid() == 0:
+    pytest.skip("root ignores permission bits (the read-only tests cover root)")
+  target = tmp_path / "ro"
+  target.mkdir()
+  target.chmod(0o500)
+  with pytest.raises(PermissionError, match="not writable.*writable nvme_dir"):
+    NvmeStore(target, _GROUPS)
+  with pytest.raises(PermissionError, match="cannot create.*writable nvme_dir"):
+    NvmeStore(target / "sub", _GROUPS)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -732,11 +753,12 @@ def test_unreported_error_is_raised_by_close(tmp_path):
   store.close()
 
 
-def test_full_disk_raises_and_keeps_committed_generation(tmp_path):
+@pytest.mark.parametrize("how", ["mount", "injected"])
+def test_full_disk_raises_and_keeps_committed_generation(tmp_path, how):
   # ~400 KB per generation on a 1 MiB filesystem: two committed generations fit, a third does not.
   groups = [[LeafSpec("m", (50_000,), np.float32)], [LeafSpec("v", (50_000,), np.float32)]]
   values = _values(groups, 10)
-  with _mounted_tmpfs(tmp_path / "small", "size=1m") as directory:
+  with small_disk(tmp_path / "small", 1 << 20, how) as directory:
     store = NvmeStore(directory, groups, chunk_bytes=64 << 10)
     store.write_initial(0, values)
     reference = _run_protocol(store, groups, dict(values), start=0, steps=1)

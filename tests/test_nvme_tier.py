@@ -1,7 +1,6 @@
 """The NVMe tier of `offload`: bit-equality with the host tier, files on disk, faults, crashes."""
 
 import random
-import subprocess
 import time
 
 import jax
@@ -18,6 +17,7 @@ from helpers import expect_line
 from helpers import kill_child
 from helpers import nvme_optimizers
 from helpers import run_child
+from helpers import small_disk
 from helpers import start_child
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -180,36 +180,48 @@ def test_jitted_step_compiles_once(tmp_path):
     oo.close_nvme(state)
 
 
-def test_multisteps_around_nvme_tier(tmp_path):
-  # MultiSteps runs the inner update at every mini-step and keeps the old state on the others, so
-  # the store must keep the generation the state names while it commits the discarded ones.
+@pytest.fixture(scope="module")
+def multisteps_runs(tmp_path_factory):
+  """8 steps of MultiSteps(offload(adamw), 3) on the host tier and with 'big' on NVMe."""
+  directory = tmp_path_factory.mktemp("multisteps")
+
   def make(**kw):
     return optax.MultiSteps(oo.offload(optax.adamw(1e-2), window_bytes=WINDOW, **kw), 3)
 
   params = make_params()
-  host_params, host_state = train(make(), params, 8, donate=True)
-  nvme_params, nvme_state = train(
-    make(host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)), params, 8, donate=True
+  host = train(make(), params, 8, donate=True)
+  nvme_run = train(make(host_limit=HOST_LIMIT, nvme_dir=str(directory)), params, 8, donate=True)
+  yield directory, host, nvme_run
+  oo.close_nvme(nvme_run[1])
+
+
+def test_multisteps_around_nvme_tier(multisteps_runs):
+  # MultiSteps runs the inner update at every mini-step and keeps the old state on the others, so
+  # the store must keep the generation the state names while it commits the discarded ones.
+  directory, (host_params, host_state), (nvme_params, nvme_state) = multisteps_runs
+  assert bits_equal(host_params, nvme_params)
+  oo.sync_nvme(nvme_state)
+  named = int(nvme_state.inner_opt_state.nvme_generation)
+  on_disk = sorted(p.name for p in (directory / "process_0").glob("gen_*"))
+  assert f"gen_{named:08d}" in on_disk and len(on_disk) == 2, on_disk
+  # Within one rounding of a product: see the strict xfail below.
+  assert_close(
+    oo.to_inner(host_state), oo.to_inner(nvme_state), rtol=float(np.finfo(np.float32).eps)
   )
-  try:
-    assert bits_equal(host_params, nvme_params)
-    oo.sync_nvme(nvme_state)
-    store = nvme_state.inner_opt_state
-    named = int(store.nvme_generation)
-    on_disk = sorted(p.name for p in (tmp_path / "process_0").glob("gen_*"))
-    assert f"gen_{named:08d}" in on_disk and len(on_disk) == 2, on_disk
-    host_inner, nvme_inner = oo.to_inner(host_state), oo.to_inner(nvme_state)
-    if not bits_equal(host_inner, nvme_inner):
-      # Measured: inside MultiSteps' lax.cond, XLA:CPU fuses the host tier's first row slice of
-      # 'big' with the slicing and write-back of its host arrays, and contracts mu = 0.1 g + 0.9 mu
-      # into fma(0.9, mu, 0.1 g) there and fma(0.1, g, 0.9 mu) everywhere else (the NVMe tier,
-      # whose slices arrive from callbacks, included): that slice's moments differ by the rounding
-      # of one product. XLA:CPU drops optimization barriers before fusion, so the engine cannot pin
-      # the fusions on CPU.
-      assert_close(host_inner, nvme_inner, rtol=float(np.finfo(np.float32).eps))
-      pytest.xfail("MultiSteps: XLA:CPU contracts the host tier's first slice differently")
-  finally:
-    oo.close_nvme(nvme_state)
+
+
+@pytest.mark.xfail(
+  strict=True,  # a fix shows as a failure here: then drop the mark and the tolerance above
+  reason="Measured: inside MultiSteps' lax.cond, XLA:CPU fuses the host tier's first row slice of "
+  "'big' with the slicing and write-back of its host arrays, and contracts mu = 0.1 g + 0.9 mu "
+  "into fma(0.9, mu, 0.1 g) there and fma(0.1, g, 0.9 mu) everywhere else (the NVMe tier, whose "
+  "slices arrive from callbacks, included): that slice's moments differ by the rounding of one "
+  "product. XLA:CPU drops optimization barriers before fusion, so the engine cannot pin the "
+  "fusions on CPU.",
+)
+def test_multisteps_state_on_nvme_equals_the_host_tier_bit_for_bit(multisteps_runs):
+  _, (_, host_state), (_, nvme_state) = multisteps_runs
+  assert bits_equal(oo.to_inner(host_state), oo.to_inner(nvme_state))
 
 
 def test_nvme_tier_on_a_2d_mesh(tmp_path):
@@ -330,22 +342,9 @@ def test_truncated_chunk_is_detected(tmp_path):
     oo.close_nvme(state)
 
 
-def _mount_tmpfs(path, size):
-  path.mkdir()
-  proc = subprocess.run(
-    ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-    capture_output=True,
-    text=True,
-  )
-  return proc.returncode == 0, proc.stderr.strip()
-
-
-def test_full_filesystem_keeps_the_last_committed_generation(tmp_path):
-  mnt = tmp_path / "small"
-  ok, why = _mount_tmpfs(mnt, "1200k")
-  if not ok:
-    pytest.skip(f"cannot mount a small tmpfs here: {why}")
-  try:
+@pytest.mark.parametrize("how", ["mount", "injected"])
+def test_full_filesystem_keeps_the_last_committed_generation(tmp_path, how):
+  with small_disk(tmp_path / "small", 1200 << 10, how) as mnt:
     params = make_params()
     tx = oo.offload(optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(mnt))
     # 0.48 MB per generation: two fit, the third (written while two are kept) does not.
@@ -366,8 +365,6 @@ def test_full_filesystem_keeps_the_last_committed_generation(tmp_path):
     with nvme.NvmeStore(store_dir, nvme.stored_groups(store_dir), create=False) as store:
       assert store.committed_generation == last_good
       store.read_generation()  # intact and verified
-  finally:
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _reference_states(steps):
@@ -394,7 +391,7 @@ def test_sigkill_at_random_moments_leaves_a_committed_generation(tmp_path):
   steps = 400
   refs = _reference_states(60)
   rng = random.Random(0)
-  seen = []
+  seen, interrupted = [], 0
   for trial in range(10):
     d = tmp_path / f"trial{trial}"
     proc = start_child("nvme_tier_child.py", "train", d, steps)
@@ -402,6 +399,9 @@ def test_sigkill_at_random_moments_leaves_a_committed_generation(tmp_path):
     time.sleep(rng.uniform(0.0, 0.5))
     kill_child(proc)
     store_dir = d / "process_0"
+    # The store keeps two committed generations (the newest and its parent): a third directory is
+    # one the kill interrupted before its commit.
+    interrupted += len(list(store_dir.glob("gen_*"))) > 2
     with nvme.NvmeStore(store_dir, nvme.stored_groups(store_dir), create=False) as store:
       g = store.committed_generation
       data = store.read_generation()
@@ -413,6 +413,7 @@ def test_sigkill_at_random_moments_leaves_a_committed_generation(tmp_path):
     )
     seen.append(g)
   assert len(set(seen)) > 1, seen  # the kills landed at different steps
+  assert interrupted > 0, "no kill landed while a generation was being written"
 
 
 def test_exit_without_sync_commits_the_last_update(tmp_path):

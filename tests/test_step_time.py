@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import gpu_compile_or_skip
 
 import optax_offload as oo
 from optax_offload._src import gpu_program
@@ -384,7 +385,7 @@ PROGRAMS = {"overlap": _overlap_program, "scan": _scan_program, "offload": _offl
 
 @pytest.fixture(scope="module", params=sorted(PROGRAMS))
 def compiled(request):
-  pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the CUDA PJRT plugin")
+  gpu_compile_or_skip()
   return request.param, PROGRAMS[request.param]()
 
 
@@ -413,7 +414,7 @@ def test_compiled_programs_keep_the_invariants(compiled, host):
 
 
 def test_a_compiled_matmul_chain_has_its_exact_flops():
-  pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the CUDA PJRT plugin")
+  gpu_compile_or_skip()
   a = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16, sharding=DEVICE)
   b = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16, sharding=DEVICE)
   c = jax.ShapeDtypeStruct((2048, 256), jnp.bfloat16, sharding=DEVICE)
@@ -424,7 +425,7 @@ def test_a_compiled_matmul_chain_has_its_exact_flops():
 
 
 def test_the_rtx4090_target_compiles_and_uses_its_rates():
-  pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the CUDA PJRT plugin")
+  gpu_compile_or_skip()
   assert "rtx4090_24gb" in gpu_program.TARGETS
   program = _overlap_program("rtx4090_24gb")
   assert program.target == "rtx4090_24gb"
@@ -453,7 +454,7 @@ def _flash_program(seq: int, causal: bool, heads: int = 2, head_dim: int = 64):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_flash_attention_kernel_is_priced_by_the_flops_it_executes(causal):
-  pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the CUDA PJRT plugin")
+  gpu_compile_or_skip()
   from jax.experimental.pallas.ops.gpu import attention
 
   seq, heads, e = 1024, 2, 64
@@ -532,7 +533,7 @@ PUBLISHED_MFU = (0.40, 0.53)  # MaxText Llama-2-7B 49.7-53%, llm-foundry 7B 40-4
 
 @pytest.fixture(scope="module")
 def llama_7b():
-  pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the CUDA PJRT plugin")
+  gpu_compile_or_skip()
   from benchmarks import gpu_memory
   from benchmarks import llama
 
@@ -568,7 +569,7 @@ MAXTEXT_7B = {"batch": 2, "seq": 4096, "micro_batches": 8}
 
 @pytest.fixture(scope="module")
 def maxtext_7b():
-  pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the CUDA PJRT plugin")
+  gpu_compile_or_skip()
   from benchmarks import llama
 
   cfg = dataclasses.replace(llama.CONFIGS["7B"], attention="flash", remat="dots")

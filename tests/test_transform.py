@@ -1,5 +1,7 @@
 """Tests of `offload`: numerics against plain optax, placement, composition, donation, bad input."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,21 +32,33 @@ SMALL_WINDOW = 100_000  # several groups for make_params(), 'big' in row slices
 STEPS = 20
 
 
+def _planned_groups(log: str) -> int:
+  """Groups of the last plan `offload` logged (INFO, "offload plan:" then one line per group)."""
+  plan = log[log.rindex("offload plan:") :]
+  return len(re.findall(r"^group \d+:", plan, re.M))
+
+
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
-def test_matches_plain_optax(opt, jit):
+def test_matches_plain_optax(opt, jit, caplog):
   name, make, exact, exact_apply = opt.name, opt.make, opt.exact, opt.exact_apply
   params = make_params()
   steps = STEPS if jit else 8  # eager is slow; the grouping logic is the same
   ref_params, ref_state = train(make(), params, steps, jit=jit)
-  # One group (window larger than the state): bit for bit, whatever the optimizer.
-  one_params, one_state = train(oo.offload(make(), window_bytes="1GiB"), params, steps, jit=jit)
-  assert bits_equal(ref_params, one_params), name
-  assert bits_equal(ref_state, oo.to_inner(one_state, memory_kind="device")), name
+  caplog.set_level("INFO", logger="optax_offload._src.offload")
+  # One group (window larger than the state): bit for bit, whatever the optimizer, with
+  # tx.update + optax.apply_updates and with update_and_apply.
+  for apply in (False, True):
+    tx = oo.offload(make(), window_bytes="1GiB")
+    one_params, one_state = train(tx, params, steps, jit=jit, apply=apply)
+    assert _planned_groups(caplog.text) == 1
+    assert bits_equal(ref_params, one_params), (name, apply)
+    assert bits_equal(ref_state, oo.to_inner(one_state, memory_kind="device")), (name, apply)
   # Several groups: bit for bit where XLA's arithmetic does not depend on the grouping.
   for apply in (False, True):
     tx = oo.offload(make(), window_bytes=SMALL_WINDOW)
     got_params, got_state = train(tx, params, steps, jit=jit, apply=apply)
+    assert _planned_groups(caplog.text) > 1, caplog.text[-2000:]  # 12 to 38 groups here
     state = oo.to_inner(got_state, memory_kind="device")
     if exact:
       assert bits_equal(ref_state, state), (name, apply)

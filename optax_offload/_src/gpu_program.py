@@ -231,8 +231,16 @@ class Schedule:
     return times
 
   def overlap_fraction(self, direction: str) -> float:
+    """The fraction of the copies in one direction in flight during some compute.
+
+    Raises:
+      ValueError: the schedule has no copies in that direction (a fraction of none would read as
+        perfect overlap).
+    """
     hit, total = self.overlap(direction)
-    return hit / total if total else 1.0
+    if not total:
+      raise ValueError(f"no {direction} copies in this schedule: no overlap to report")
+    return hit / total
 
   def max_bytes_in_flight(self, direction: str | None = None) -> int:
     """Most bytes of copies started and not yet done at one point of any computation."""
