@@ -217,6 +217,9 @@ def test_a_given_bandwidth_wins_over_a_measured_one(capsys):
     (["plan", "7B", "--weights-on", "host"], "--layers"),
     (["plan", "7B", "--weights-on", "host", "--layers", "32", "--update-on", "host"], "update_on"),
     (["plan"], "required: params"),
+    (["plan", "13B", "--host-mem", "48GiB"], "unrecognized arguments: --host-mem"),
+    (["plan", "13B", "--tokens-per-step", "65536"], "--tokens-per-step needs --target"),
+    (["plan", "13B", "--target", "a100", "--tokens-per-step", "8"], "Unknown --target 'a100'"),
     ([], "required: COMMAND"),
   ],
 )
@@ -284,3 +287,27 @@ def test_module_entry_point(tmp_path):
   )
   assert proc.returncode == 1, proc.stderr
   assert "fits: NO" in proc.stdout and "nvme" in proc.stdout
+
+
+def test_speed_bound_is_the_slower_of_compute_and_transfer(capsys):
+  # The card's rates from its target file: GEMM time of 8 x params x tokens (full remat) at the
+  # achievable rate, and the link lower bound at its host-to-device rate.
+  argv = ["plan", "13B", "--param-dtype", "bf16", "--master-dtype", "fp32", "--target"]
+  assert cli.main([*argv, "rtx4090_24gb", "--tokens-per-step", "65536", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  hw = oo.hardware("rtx4090_24gb")
+  speed = out["speed"]
+  assert speed["compute_s"] == pytest.approx(
+    8 * 13e9 * 65536 / (hw.tensor_flops * hw.gemm_efficiency)
+  )
+  assert out["bandwidths"]["link"] == hw.h2d_bandwidth
+  assert speed["transfer_s"] == out["step_time_lower_bound"]
+  assert speed["step_s"] == max(speed["compute_s"], speed["transfer_s"])
+  assert speed["bottleneck"] == "compute"
+  assert speed["model_tflops"] == pytest.approx(6 * 13e9 * 65536 / speed["step_s"] / 1e12)
+  # Few tokens per step: the link bounds it.
+  assert cli.main([*argv, "rtx4090_24gb", "--tokens-per-step", "2048", "--json"]) == 0
+  assert json.loads(capsys.readouterr().out)["speed"]["bottleneck"] == "host<->device link"
+  assert cli.main([*argv, "h100_80gb", "--tokens-per-step", "65536", "--remat", "none"]) == 0
+  text = capsys.readouterr().out
+  assert "speed bound on h100_80gb" in text and "not the compiled program" in text

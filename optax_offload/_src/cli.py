@@ -12,10 +12,12 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from optax_offload._src import estimate as estimate_lib
 from optax_offload._src import measure
 from optax_offload._src import named_optimizers
+from optax_offload._src import step_time
 from optax_offload._src.units import parse_bytes
 
 _EPILOG = """\
@@ -32,7 +34,9 @@ of at least min_size elements; the Python API (optax_offload.estimate) takes sha
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-    prog="python -m optax_offload", description="optax_offload command-line tools."
+    allow_abbrev=False,
+    prog="python -m optax_offload",
+    description="optax_offload command-line tools.",
   )
   from optax_offload import __version__
 
@@ -40,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
   p = sub.add_parser(
     "plan",
+    allow_abbrev=False,  # a mistyped option is refused, not taken for one it begins
     help="bytes per tier, whether they fit, and a step-time lower bound",
     description=(
       "Where offload() puts a model's optimizer state (device, pinned host, NVMe), whether it fits, "
@@ -98,8 +103,67 @@ def _parser() -> argparse.ArgumentParser:
     help="time a host<->device copy and, with --nvme-dir, the disk (overrides the defaults)",
   )
   bw("--measure-bytes", default="256MiB", metavar="SIZE", help="size of each measured transfer")
+  speed = p.add_argument_group(
+    "speed (a bound from the card's rates; benchmarks/gpu_speed.py models the compiled program)"
+  ).add_argument
+  speed("--target", metavar="CARD", help=f"GPU target whose rates to use: {', '.join(_TARGETS)}")
+  speed(
+    "--tokens-per-step", type=int, metavar="N", help="tokens per optimizer step (needs --target)"
+  )
+  speed(
+    "--remat",
+    default="full",
+    choices=("full", "none"),
+    help="full (default): the forward pass runs twice, 8 x params FLOPs per token; none: 6 x",
+  )
   p.add_argument("--json", action="store_true", help="print the numbers as JSON")
   return parser
+
+
+_TARGETS = ("rtx4090_24gb", "h100_80gb", "h100_24gb")
+
+
+def speed_bound(result, target: str, tokens: int, remat: str = "full") -> dict[str, Any]:
+  """The most tokens/s a step can reach: its GEMMs at the card's achievable rate, or the link and
+  disk time of `result` (`Estimate.step_time_lower_bound`), whichever is longer.
+
+  A bound from rates, not a model of the compiled program: attention, elementwise kernels and
+  copies the schedule fails to hide all make the real step slower (``benchmarks/gpu_speed.py``
+  models the compiled program, docs/speed.md).
+
+  Examples:
+    >>> from optax_offload._src import estimate
+    >>> e = estimate.estimate("13B", param_dtype="bf16", master_dtype="fp32")
+    >>> b = speed_bound(e, "rtx4090_24gb", 65536)
+    >>> b["bottleneck"], round(b["compute_s"], 1)
+    ('compute', 42.9)
+  """
+  hw = step_time.hardware(target)
+  flops = (8 if remat == "full" else 6) * result.params * tokens
+  compute_s = flops / (hw.tensor_flops * hw.gemm_efficiency)
+  transfer_s = result.step_time_lower_bound
+  step_s = max(compute_s, transfer_s)
+  return {
+    "target": target,
+    "tokens_per_step": tokens,
+    "compute_s": compute_s,
+    "transfer_s": transfer_s,
+    "step_s": step_s,
+    "tokens_per_s": tokens / step_s,
+    "model_tflops": 6 * result.params * tokens / step_s / 1e12,
+    "bottleneck": "compute" if compute_s >= transfer_s else result.bottleneck,
+  }
+
+
+def _speed_text(b: dict[str, Any]) -> str:
+  return (
+    f"speed bound on {b['target']} at {b['tokens_per_step']:,} tokens per step: at most "
+    f"{b['tokens_per_s']:,.0f} tokens/s ({b['model_tflops']:.1f} model TFLOPS, 6 x params x tokens/s)"
+    f"\n  compute  {b['compute_s']:.3f} s (GEMMs at the card's achievable rate)"
+    f"\n  transfer {b['transfer_s']:.3f} s (the lower bound above, overlapped with compute)"
+    f"\n  bound by {b['bottleneck']}; a bound from rates, not the compiled program: "
+    "benchmarks/gpu_speed.py models that (docs/speed.md)"
+  )
 
 
 def _bandwidths(args: argparse.Namespace) -> measure.Bandwidths:
@@ -115,6 +179,9 @@ def _bandwidths(args: argparse.Namespace) -> measure.Bandwidths:
       if value == 0:
         raise ValueError(f"--{flag.replace('_', '-')} must be > 0.")
       given[field] = float(value)
+  if getattr(args, "target", None) in _TARGETS and "link" not in given:
+    # The card's host-to-device rate: the slower direction on both cards (step_time's sources).
+    given["link"] = step_time.hardware(args.target).h2d_bandwidth
   base = measure.Bandwidths(**given)
   if not args.measure:
     return base
@@ -147,12 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
       activation_bytes=args.activations,
       bandwidths=_bandwidths(args),
     )
+    if args.tokens_per_step is not None and args.target is None:
+      raise ValueError("--tokens-per-step needs --target, the card whose rates to use.")
+    if args.target is not None and args.target not in _TARGETS:
+      raise ValueError(f"Unknown --target {args.target!r}: use one of {', '.join(_TARGETS)}.")
+    bound = None
+    if args.tokens_per_step is not None:
+      bound = speed_bound(result, args.target, args.tokens_per_step, args.remat)
   except (ValueError, TypeError, OSError) as e:
     parser.exit(2, f"{parser.prog} plan: error: {e}\n")
   if args.json:
-    print(json.dumps(result.to_dict(), indent=2))
+    print(json.dumps(dict(result.to_dict(), speed=bound), indent=2))
   else:
     print(result)
+    if bound is not None:
+      print("\n" + _speed_text(bound))
   return 0 if result.fits else 1
 
 
