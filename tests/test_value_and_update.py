@@ -87,14 +87,13 @@ def fused(cfg, params, inner, *, master, k, clip, steps, on_host, window=None):
 
 
 CASES = [
-  # (optimizer, dtype, layers, accumulate, clip, stack on host)
-  ("sgd_momentum", "fp32", 4, 1, None, True),
+  # (optimizer, dtype, layers, accumulate, clip, stack on host): each feature in at least one
+  # bit-exact case (master weights, odd layer count, accumulation, a stack on the device, a clip
+  # that does not trigger) and the Adam family and a triggering clip within RTOL.
   ("sgd_momentum", "bf16_master", 5, 1, None, True),
   ("lion", "fp32", 4, 3, None, True),
   ("sgd_momentum", "fp32", 3, 2, None, False),
-  ("lion", "bf16_master", 4, 1, 0.05, True),
   ("sgd_momentum", "fp32", 5, 3, 1e6, True),
-  ("adamw", "fp32", 4, 1, None, True),
   ("adamw", "bf16_master", 5, 3, 0.05, True),
 ]
 
@@ -108,7 +107,7 @@ def test_the_fused_step_equals_plain_optax(name, dtype, layers, k, clip, on_host
   make, exact = OPTIMIZERS[name]
   cfg, params = decoder(layers, jnp.float32 if dtype == "fp32" else jnp.bfloat16)
   master = None if dtype == "fp32" else jnp.float32
-  steps = 3
+  steps = 2
   want = reference(
     cfg, jax.tree.map(jnp.copy, params), make(), master=master, k=k, clip=clip, steps=steps
   )
