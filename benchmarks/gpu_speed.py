@@ -112,7 +112,8 @@ def compile_variant(cfg, variant: str, target: str, micro_batch: int, k: int, wi
     trip = k - 2 if k > 2 else None
 
     def step(params, state, tokens):
-      value, params, state = oo.value_and_update(loss, tx, accumulate=k)(params, state, tokens)
+      batch = tokens if k > 1 else tokens[0]  # accumulate=1 takes one micro-batch
+      value, params, state = oo.value_and_update(loss, tx, accumulate=k)(params, state, batch)
       return params, state, value
 
   elif variant == "offload_all":
