@@ -491,8 +491,11 @@ def _split_checked(setup: setup_lib.Setup, layout, inner_state, paths):
           "offload keeps it in pinned host memory: the state lost its placement. jax.eval_shape "
           "returns no memory kinds, and in jax 0.10 a jax.ShapeDtypeStruct carries its memory kind "
           "into tracing only with a NamedSharding (not with the SingleDeviceSharding of a "
-          "one-device state). Use the state tx.init returns, oo.abstract_state(tx, params) for "
-          "abstract (ahead-of-time) tracing, or params on a jax.sharding.Mesh."
+          "one-device state); a one-device array built from its shards (jax.make_array_from_"
+          "callback) is typed as device memory even when its sharding says pinned_host. Use the "
+          "state tx.init returns (or an Orbax restore of it), oo.abstract_state(tx, params) for "
+          "abstract (ahead-of-time) tracing, params on a jax.sharding.Mesh, or move such arrays "
+          "with jax.device_put(x, jax.memory.Space.Host)."
         )
   return shared, per_leaf
 
