@@ -618,31 +618,36 @@ def host_update_piece(sizes, device, hw, hw_link, rec) -> dict:
 
 def _pool_child(limit_gb: str, chunk: int, most: int) -> dict:
   """In a child process (its environment set before JAX starts): pinned host chunks until an
-  allocation fails or `most` bytes are held."""
+  allocation fails or `most` bytes are held. Prints a JSON line after every chunk, so that a
+  child stopped at its time limit still says how far it got."""
   device = jax.local_devices()[0]
   on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-  held, chunks, error = [], [], None
+  held = []
   t0 = time.perf_counter()
-  while sum(a.nbytes for a in held) + chunk <= most:
-    t = time.perf_counter()
-    try:
-      held.append(jax.block_until_ready(jax.device_put(np.zeros(chunk, np.uint8), on_host)))
-    except Exception as e:  # the error is the result
-      error = f"{type(e).__name__}: {e}"[:2000]
-      break
-    chunks.append(time.perf_counter() - t)
-  return {
+  out = {
     "backend": jax.default_backend(),
     "limit_env_gb": limit_gb,
     "chunk_bytes": chunk,
     "tried_up_to_bytes": most,
-    "allocated_bytes": sum(a.nbytes for a in held),
-    "chunk_seconds": chunks,
-    "failed": error is not None,
-    "error": error,
-    "seconds": time.perf_counter() - t0,
+    "allocated_bytes": 0,
+    "chunk_seconds": [],
+    "failed": False,
+    "error": None,
     "plan_warning_at_limit": plan_lib.pinned_pool_warning(most),
   }
+  while out["allocated_bytes"] + chunk <= most:
+    t = time.perf_counter()
+    try:
+      held.append(jax.block_until_ready(jax.device_put(np.zeros(chunk, np.uint8), on_host)))
+    except Exception as e:  # the error is the result
+      out.update(failed=True, error=f"{type(e).__name__}: {e}"[:2000])
+      break
+    out["chunk_seconds"].append(time.perf_counter() - t)
+    out["allocated_bytes"] = sum(a.nbytes for a in held)
+    out["seconds"] = time.perf_counter() - t0
+    print(json.dumps(out), flush=True)
+  out["seconds"] = time.perf_counter() - t0
+  return out
 
 
 def _spawn_pool_child(limit_gb: float | None, chunk: int, most: int) -> subprocess.Popen:
@@ -658,20 +663,22 @@ def _spawn_pool_child(limit_gb: float | None, chunk: int, most: int) -> subproce
 
 
 def _pool_result(proc: subprocess.Popen, limit_gb, t0: float, deadline: float) -> dict:
+  timed_out = False
   try:
     stdout, stderr = proc.communicate(timeout=max(deadline - time.perf_counter(), 5))
   except subprocess.TimeoutExpired:
+    timed_out = True
     proc.kill()
-    proc.communicate()
-    return {"error": f"child timed out after {time.perf_counter() - t0:.0f} s", "limit": limit_gb}
+    stdout, stderr = proc.communicate()
   lines = [line for line in stdout.splitlines() if line.startswith("{")]
-  if proc.returncode != 0 or not lines:
+  if not lines or (proc.returncode != 0 and not timed_out):
     return {
-      "error": f"child exited {proc.returncode}",
+      "error": f"child exited {proc.returncode}" + (" (timed out)" if timed_out else ""),
       "limit_env_gb": limit_gb,
       "stderr_tail": stderr.strip().splitlines()[-12:],
     }
-  out = json.loads(lines[-1])
+  out = json.loads(lines[-1])  # the last chunk's line when the child was stopped
+  out["timed_out"] = timed_out
   out["child_wall_s"] = time.perf_counter() - t0
   return out
 
