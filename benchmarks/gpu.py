@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import importlib.metadata
 import json
 import os
 import platform
@@ -247,6 +248,13 @@ def nearest_target(device_kind: str, memory_bytes: int | None, backend: str) -> 
   return DEFAULT_TARGET, f"backend {backend!r}, no GPU: the target this run is prepared for"
 
 
+def _version(package: str) -> str | None:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
 def describe_device(device, host: str) -> dict:
   stats = _memory_stats(device)
   backend = jax.default_backend()
@@ -268,7 +276,8 @@ def describe_device(device, host: str) -> dict:
     "devices": len(jax.devices()),
     "memory_kinds": [m.kind for m in device.addressable_memories()],
     "jax": jax.__version__,
-    "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+    "jaxlib": _version("jaxlib"),
+    "cuda_plugin": _version("jax-cuda13-plugin") or _version("jax-cuda12-plugin"),
     "python": platform.python_version(),
     "host_cpus": os.cpu_count(),
     "host_memory_bytes": host_memory,
@@ -403,18 +412,21 @@ def _compile(step, args, donate, options) -> tuple:
   """The step compiled on this device, its scheduled HLO and compile seconds."""
   t0 = time.perf_counter()
   lowered = jax.jit(step, donate_argnums=donate).lower(*args)
+  note = None
   try:
     compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
-  except Exception:
-    if jax.default_backend() == "gpu" or not options:
+  except Exception as e:
+    if not options:
       raise
-    compiled = lowered.compile()  # a backend without the GPU options (the CPU smoke run)
+    # A backend or XLA release without one of the options: compiled without them, and said so.
+    note = f"compiled without {sorted(options)}: {type(e).__name__}: {e}"[:1000]
+    compiled = lowered.compile()
   seconds = time.perf_counter() - t0
   try:
     hlo = compiled.as_text()
   except Exception:
     hlo = compiled.runtime_executable().hlo_modules()[0].to_string()
-  return compiled, hlo, seconds
+  return compiled, hlo, seconds, note
 
 
 def _memory_analysis(compiled) -> dict:
@@ -474,9 +486,10 @@ def run_variant(variant, sizes, device, hw, hw_link, rec: Recorder) -> dict:
   row = {"variant": variant, "model": dataclasses.asdict(cfg), "params": cfg.params}
   step, params, state, tokens, tx = build_variant(variant, cfg, sizes, device)
   options = oo.STREAM_XLA_OPTIONS if variant != "plain_bf16" else None
-  compiled, hlo, compile_s = _compile(step, (params, state, tokens), (0, 1), options)
+  compiled, hlo, compile_s, note = _compile(step, (params, state, tokens), (0, 1), options)
   rec.add_hlo(f"step_{variant}", hlo)
   row["compile_s"] = compile_s
+  row["xla_options"] = note or (sorted(options) if options else [])
   row["memory_analysis"] = _memory_analysis(compiled)
   if variant != "plain_bf16":
     row["footprint"] = oo.footprint(state)
@@ -534,7 +547,7 @@ def _train_offloaded(tx, params, grads, reps, hw, hw_link, rec, name, disk=None)
   def step(params, state, grads):
     return oo.update_and_apply(tx, grads, state, params)
 
-  compiled, hlo, compile_s = _compile(step, (params, state, grads), (0, 1), None)
+  compiled, hlo, compile_s, _ = _compile(step, (params, state, grads), (0, 1), None)
   rec.add_hlo(name, hlo)
   row = {"footprint": fp, "compile_s": compile_s, "memory_analysis": _memory_analysis(compiled)}
   row.update(_guarded(modelled, hlo, hw, hw_link, disk=disk))
@@ -851,7 +864,15 @@ def run(args) -> dict:
     for name, row in rows.items()
     if row.get("off_by_more_than_20pct")
   )
-  result["errors"] = sorted(name for name, row in rows.items() if "error" in row)
+  for direction in ("h2d", "d2h"):
+    ratio = bw.get(f"ratio_measured_vs_model_{direction}")
+    if ratio is not None and abs(ratio - 1) > OFF_BY:
+      result["flags"].append(f"bandwidth.{direction}: measured/modelled {ratio:.2f}")
+  result["errors"] = sorted(
+    [f"bandwidth.{r.get('bytes', i)}" for i, r in enumerate(bw["rows"]) if "error" in r]
+    + [name for name, row in rows.items() if "error" in row]
+    + [f"pieces.{k}" for k, v in pieces.items() if k == "pinned_pool" and "error" in v]
+  )
   result["elapsed_s"] = budget.elapsed()
   rec.save()
   print(f"flags (|measured/modelled - 1| > {OFF_BY:.0%}): {result['flags']}")

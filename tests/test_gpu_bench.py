@@ -50,7 +50,10 @@ def check_smoke(out, variants):
   for row in bw["rows"]:
     for kind in ("device_put_h2d", "device_put_d2h", "jit_h2d", "jit_d2h", "jit_both_directions"):
       assert _number(row[kind]["best_Bps"]), (kind, row)
-  assert _number(bw["ratio_measured_vs_model_h2d"])
+  assert _number(bw["ratio_measured_vs_model_h2d"]) and _number(bw["ratio_measured_vs_model_d2h"])
+  assert ("bandwidth.h2d" in " ".join(on_disk["flags"])) == (
+    abs(bw["ratio_measured_vs_model_h2d"] - 1) > gpu.OFF_BY
+  )
 
   steps = sections["steps"]
   assert set(steps["rows"]) == set(variants) and not steps["skipped"]
@@ -65,7 +68,7 @@ def check_smoke(out, variants):
       assert _number(row[key]), (name, key, row.get("error"))
     assert row["ratio"] == pytest.approx(row["measured_s"] / row["modelled_s"])
     assert row["off_by_more_than_20pct"] == (abs(row["ratio"] - 1) > gpu.OFF_BY)
-  flagged = {f.split(":")[0] for f in on_disk["flags"]}
+  flagged = {f.split(":")[0] for f in on_disk["flags"] if not f.startswith("bandwidth.")}
   assert flagged == {
     f"{'steps' if n in steps['rows'] else 'pieces'}.{n}"
     for n, r in timed.items()
