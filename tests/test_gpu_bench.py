@@ -90,6 +90,17 @@ def check_smoke(out, variants):
   assert result["sections"]["steps"]["rows"].keys() == steps["rows"].keys()
 
 
+def test_time_box_skips_and_says_so(tmp_path):
+  out = tmp_path / "gpu.json"
+  gpu.main(["--smoke", "--budget-s", "0", "--out", str(out)])
+  sections = json.loads(out.read_text())["sections"]
+  assert sections["device"]["target"] == gpu.DEFAULT_TARGET
+  assert sections["bandwidth"]["rows"] == [] and len(sections["bandwidth"]["skipped"]) == 2
+  assert all(p == {"skipped": "time box"} for p in sections["pieces"].values())
+  assert sections["steps"]["rows"] == {}
+  assert [s["variant"] for s in sections["steps"]["skipped"]] == list(gpu.VARIANTS)
+
+
 def test_without_gpu_refuses_unless_smoke(capsys):
   with pytest.raises(SystemExit):
     gpu.main([])
