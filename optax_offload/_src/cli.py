@@ -72,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     metavar="DTYPE",
     help="offloaded master copy of narrower params, e.g. fp32 with --param-dtype bf16",
   )
+  opt(
+    "--moment-dtype",
+    metavar="DTYPE",
+    help="keep the optimizer's moments in this dtype on every tier, e.g. bf16 (half the bytes)",
+  )
   opt("--update-on", default="device", choices=("device", "host"), help="default device")
   opt(
     "--weights-on",
@@ -203,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       optimizer=args.optimizer,
       param_dtype=args.param_dtype,
       master_dtype=args.master_dtype,
+      moment_dtype=args.moment_dtype,
       update_on=args.update_on,
       weights_on=args.weights_on,
       layers=args.layers,

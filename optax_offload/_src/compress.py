@@ -64,11 +64,18 @@ def is_moment(x: Any, param: Any, moment_dtype: Any) -> bool:
     >>> is_moment(jnp.zeros(2), jnp.zeros(3), jnp.bfloat16)  # another shape (e.g. adafactor's)
     False
   """
-  dtype = jnp.result_type(x)
-  return (
-    jnp.issubdtype(dtype, jnp.floating)
-    and jnp.shape(x) == jnp.shape(param)
-    and jnp.finfo(dtype).bits > jnp.finfo(moment_dtype).bits
+  return jnp.shape(x) == jnp.shape(param) and narrows(jnp.result_type(x), moment_dtype)
+
+
+def narrows(dtype: Any, moment_dtype: Any) -> bool:
+  """Whether a moment of `dtype` is stored in `moment_dtype`: a float wider than it.
+
+  Examples:
+    >>> narrows(jnp.float32, jnp.bfloat16), narrows(jnp.bfloat16, jnp.float16)
+    (True, False)
+  """
+  return jnp.issubdtype(dtype, jnp.floating) and (
+    jnp.finfo(dtype).bits > jnp.finfo(moment_dtype).bits
   )
 
 
