@@ -5,6 +5,8 @@ lockstep from one init on the same batches, with AdamW:
 
 - ``fp32``: ``oo.offload(adamw)``, moments in fp32 (the baseline);
 - ``bf16``: ``oo.offload(adamw, moment_dtype="bf16")``, moments in bf16 on the host tier;
+- ``fp32_groups``: fp32 moments updated in several groups (``window_bytes="256KiB"``), whose
+  ulp-level differences per update (docs/tiers.md) set the noise floor of any comparison;
 - ``optax_mu_bf16``: plain ``optax.adamw(mu_dtype=bf16)`` (only ``mu`` in bf16, and ``b1 * mu``
   computed in bf16), for comparison; fp32 params only.
 
@@ -70,6 +72,9 @@ def main(argv=None) -> dict:
     "fp32": oo.offload(optax.adamw(args.lr), master_dtype=master),
     "bf16": oo.offload(optax.adamw(args.lr), master_dtype=master, moment_dtype="bf16"),
   }
+  # The noise floor: fp32 moments updated in several groups differ from one group by ulps per
+  # update (the numerics rule in DESIGN.md), which training then amplifies.
+  txs["fp32_groups"] = oo.offload(optax.adamw(args.lr), master_dtype=master, window_bytes="256KiB")
   if master is None:
     txs["optax_mu_bf16"] = optax.adamw(args.lr, mu_dtype=jnp.bfloat16)
 
@@ -99,7 +104,9 @@ def main(argv=None) -> dict:
       "max_rel_param_diff_leaf": worst,
       "state_bytes": r["tiers"],
     }
-  print(f"\n{'run':<15}{'train':>8}{'last 20':>9}{'val':>8}{'loss rel':>10}{'param rel':>11}  state")
+  print(
+    f"\n{'run':<15}{'train':>8}{'last 20':>9}{'val':>8}{'loss rel':>10}{'param rel':>11}  state"
+  )
   for name, r in out["runs"].items():
     tiers = "/".join(f"{r['state_bytes'][k] / 2**20:.2f}" for k in ("device", "host", "nvme"))
     print(

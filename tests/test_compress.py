@@ -10,6 +10,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from conftest import WHOLE_LEAF_WINDOW
@@ -197,3 +198,31 @@ def test_value_and_update_keeps_bf16_moments():
     _, params, state = step(params, state, tokens(s, 0, 1))
   assert bits_equal(params, want)
   assert {x.dtype for x in jax.tree.leaves(oo.to_inner(state)[0].trace)} == {jnp.dtype(BF16)}
+
+
+def test_a_checkpoint_of_bf16_moments_resumes_bit_exact(tmp_path):
+  import checkpoint_child as child
+  import orbax.checkpoint as ocp
+
+  params = child.committed_params()
+  tx = child.make_tx("adamw", "nvme", tmp_path / "nvme_a", moment_dtype="bf16")
+  step = child.make_step(tx)
+  p, s = child.run(step, params, tx.init(params), 0, 3)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    mngr.save(3, args=child.save_args(p, s))
+    mngr.wait_until_finished()
+  want = child.result(*child.run(step, p, s, 3, 5))
+  oo.close_nvme(s)
+
+  tx2 = child.make_tx("adamw", "nvme", tmp_path / "nvme_b", moment_dtype="bf16")
+  target = tx2.init(params)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    restored = mngr.restore(3, args=child.restore_args(params, target))
+  assert {x.dtype for x in jax.tree.leaves(oo.to_inner(restored["opt_state"])[0].mu)} == {
+    jnp.dtype(BF16)
+  }
+  got = child.result(
+    *child.run(child.make_step(tx2), restored["params"], restored["opt_state"], 3, 5)
+  )
+  assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+  oo.close_nvme(restored["opt_state"])
