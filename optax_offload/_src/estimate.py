@@ -83,7 +83,8 @@ class Estimate:
     params: number of parameters.
     param_dtype: parameter (and gradient) dtype; ``"mixed"`` for a tree of several dtypes.
     optimizer: the optimizer's name.
-    state_dtype: dtype of the optimizer's state (the master dtype when there is a master copy).
+    state_dtype: dtype of the optimizer's state (the master dtype when there is a master copy;
+      ``"mixed"`` when the moments are kept narrower than the master copy).
     master_dtype: dtype of the offloaded master copy of the parameters, or None.
     moment_dtype: dtype the optimizer's moments are kept in (`with_moment_dtype`), or None.
     update_on: ``"device"`` or ``"host"``.
