@@ -93,8 +93,10 @@ def test_offload_keeps_bf16_moments_on_the_host_and_a_fp32_master():
   assert state.inner.inner[0].nu["w"].dtype == BF16
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("update_on", ["device", "host"])
+@pytest.mark.parametrize(
+  "name, update_on",
+  [("adamw", "device"), ("sgd_momentum", "device"), ("lion", "device"), ("adamw", "host")],
+)
 def test_offload_equals_the_wrapper_one_group(params, name, update_on):
   want = train(oo.with_moment_dtype(OPTIMIZERS[name](), "bf16"), params, 3)
   got_params, got_state = train(
