@@ -106,6 +106,16 @@ def test_offload_equals_the_wrapper_one_group(params, name, update_on):
   assert bits_equal(oo.to_inner(got_state, memory_kind="device"), want[1])
 
 
+def test_update_and_apply_with_bf16_moments(params):
+  want = train(oo.with_moment_dtype(OPTIMIZERS["lion"](), "bf16"), params, 2)
+  tx = oo.offload(OPTIMIZERS["lion"](), moment_dtype="bf16", window_bytes=WHOLE_LEAF_WINDOW)
+  got_params, _ = train(tx, params, 2, apply=True, donate=True)
+  assert bits_equal(got_params, want[0])
+  abstract = oo.abstract_state(tx, params)
+  assert abstract.inner[0].mu["big"].dtype == BF16
+  assert abstract.inner[0].mu["big"].sharding.memory_kind == "pinned_host"
+
+
 @pytest.mark.parametrize("name, exact", [("sgd_momentum", True), ("lion", True), ("adamw", False)])
 def test_offload_equals_the_wrapper_in_groups(params, name, exact):
   want = train(oo.with_moment_dtype(OPTIMIZERS[name](), "bf16"), params, 3)
