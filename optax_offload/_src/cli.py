@@ -25,6 +25,8 @@ examples:
   python -m optax_offload plan 7B --param-dtype bf16 --master-dtype fp32 \\
       --device-memory 24GiB --host-limit 64GiB --nvme-dir /nvme/run1
   python -m optax_offload plan 1.3e9 --optimizer lion --measure --nvme-dir /nvme/run1
+  python -m optax_offload plan 13B --param-dtype bf16 --master-dtype fp32 --moment-dtype bf16 \
+      --device-memory 24GiB --weights-on host --layers 40 --host-limit 48GiB --nvme-size 2TB
 
 sizes take a unit: 24GiB = 24 * 2**30 bytes, 24GB = 24 * 10**9 bytes. Bandwidths are bytes per
 second (25GB = 25 * 10**9 B/s). A bare parameter count is one aggregate: every parameter in a leaf
