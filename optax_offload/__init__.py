@@ -12,6 +12,7 @@ Examples:
 from optax_offload._src.checkpoint import OffloadCheckpointHandler
 from optax_offload._src.checkpoint import OffloadRestore
 from optax_offload._src.checkpoint import OffloadSave
+from optax_offload._src.compress import with_moment_dtype
 from optax_offload._src.estimate import Estimate
 from optax_offload._src.estimate import estimate
 from optax_offload._src.gpu_program import GpuProgram
@@ -97,4 +98,5 @@ __all__ = (
   "update_and_apply",
   "value_and_grad_to_host",
   "value_and_update",
+  "with_moment_dtype",
 )

@@ -25,6 +25,8 @@ examples:
   python -m optax_offload plan 7B --param-dtype bf16 --master-dtype fp32 \\
       --device-memory 24GiB --host-limit 64GiB --nvme-dir /nvme/run1
   python -m optax_offload plan 1.3e9 --optimizer lion --measure --nvme-dir /nvme/run1
+  python -m optax_offload plan 13B --param-dtype bf16 --master-dtype fp32 --moment-dtype bf16 \
+      --device-memory 24GiB --weights-on host --layers 40 --host-limit 48GiB --nvme-size 2TB
 
 sizes take a unit: 24GiB = 24 * 2**30 bytes, 24GB = 24 * 10**9 bytes. Bandwidths are bytes per
 second (25GB = 25 * 10**9 B/s). A bare parameter count is one aggregate: every parameter in a leaf
@@ -71,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     "--master-dtype",
     metavar="DTYPE",
     help="offloaded master copy of narrower params, e.g. fp32 with --param-dtype bf16",
+  )
+  opt(
+    "--moment-dtype",
+    metavar="DTYPE",
+    help="keep the optimizer's moments in this dtype on every tier, e.g. bf16 (half the bytes)",
   )
   opt("--update-on", default="device", choices=("device", "host"), help="default device")
   opt(
@@ -203,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       optimizer=args.optimizer,
       param_dtype=args.param_dtype,
       master_dtype=args.master_dtype,
+      moment_dtype=args.moment_dtype,
       update_on=args.update_on,
       weights_on=args.weights_on,
       layers=args.layers,

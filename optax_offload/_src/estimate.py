@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_offload._src import compress
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
 from optax_offload._src import memory
@@ -82,8 +83,10 @@ class Estimate:
     params: number of parameters.
     param_dtype: parameter (and gradient) dtype; ``"mixed"`` for a tree of several dtypes.
     optimizer: the optimizer's name.
-    state_dtype: dtype of the optimizer's state (the master dtype when there is a master copy).
+    state_dtype: dtype of the optimizer's state (the master dtype when there is a master copy;
+      ``"mixed"`` when the moments are kept narrower than the master copy).
     master_dtype: dtype of the offloaded master copy of the parameters, or None.
+    moment_dtype: dtype the optimizer's moments are kept in (`with_moment_dtype`), or None.
     update_on: ``"device"`` or ``"host"``.
     weights_on: ``"device"``, or ``"host"`` when the layer stack's weights and gradients live in
       pinned host memory too (`offloaded_scan`, and `update_and_apply` streaming them).
@@ -137,6 +140,7 @@ class Estimate:
   weights_on: str = "device"
   stack_layer_bytes: int = 0
   host_weight_bytes: int = 0
+  moment_dtype: str | None = None
   leaves: tuple[plan_lib.LeafInfo, ...] | None = dataclasses.field(default=None, repr=False)
   plan: plan_lib.Plan | None = dataclasses.field(default=None, repr=False)
 
@@ -311,6 +315,7 @@ def estimate(
   optimizer: str | optax.GradientTransformation = "adamw",
   param_dtype: Any = "fp32",
   master_dtype: Any = None,
+  moment_dtype: Any = None,
   update_on: str = "device",
   weights_on: str = "device",
   layers: int | None = None,
@@ -356,6 +361,9 @@ def estimate(
       a tree's leaves carry their own.
     master_dtype: dtype of an offloaded master copy of lower-precision parameters (``"fp32"``), or
       None. The optimizer's state then has this dtype.
+    moment_dtype: dtype of the optimizer's moments (``"bf16"``), as `offload`'s: the float state
+      arrays shaped like their param are counted in it where it is narrower (a bare count: every
+      per-parameter slot of the named optimizer); the master copy keeps `master_dtype`.
     update_on: ``"device"`` or ``"host"``, as in `offload`.
     weights_on: ``"host"`` when the layer stack's weights and gradients live in pinned host memory
       too (`offloaded_scan` forward and backward; `update_and_apply` streams them through the
@@ -390,6 +398,11 @@ def estimate(
     >>> round(e.step_time_lower_bound, 2), e.bottleneck  # 15.3 GB read at 3 GB/s, written at 2
     (12.73, 'NVMe')
 
+    Moments in bf16: 8 bytes per param (fp32 master 4, mu and nu 2 each) instead of 12:
+
+    >>> oo.estimate("7B", param_dtype="bf16", master_dtype="fp32", moment_dtype="bf16").host_bytes
+    56000000000
+
     With shapes, every leaf is placed by `make_plan`:
 
     >>> import jax, jax.numpy as jnp
@@ -413,6 +426,7 @@ def estimate(
   activations = parse_bytes(activation_bytes, "activation_bytes") or 0
   window = tree_plan.window_bytes(window, device_memory)
   master = _parse_master(master_dtype)
+  moments = compress.parse_moment_dtype(moment_dtype)
   capacity = nvme_size
   if capacity is None and nvme_dir is not None:
     capacity = free_disk(nvme_dir)
@@ -420,6 +434,7 @@ def estimate(
   common = dict(
     optimizer=opt_name,
     master_dtype=None if master is None else dtype_name(master),
+    moment_dtype=None if moments is None else dtype_name(moments),
     update_on=update_on,
     device_memory=device_memory,
     host_limit=host_limit,
@@ -436,7 +451,7 @@ def estimate(
         "jax.ShapeDtypeStruct, or an optimizer name for a bare count."
       )
     n, dtype = parse_count(params), parse_dtype(param_dtype)
-    e = _estimate_count(n, dtype, master, opt, common)
+    e = _estimate_count(n, dtype, master, moments, opt, common)
     if weights_on == "device":
       return e
     if not (isinstance(layers, int) and 1 <= layers <= n):
@@ -447,7 +462,7 @@ def estimate(
     return _with_weights_on_host(e, [(n * dtype.itemsize, layers)])
   tx = optimizer if opt is None else opt.factory()
   tree = _param_tree(params)
-  e = _estimate_tree(tree, tx, master, min_size, common)
+  e = _estimate_tree(tree, tx, master, moments, min_size, common)
   stack = [(_nbytes(x), x.shape[0]) for x in jax.tree.leaves(tree) if _in_pinned_host(x)]
   if weights_on == "host" and not stack:
     raise ValueError(
@@ -508,11 +523,20 @@ def _host_returns(n: int, param_dtype: np.dtype, update_dtype: np.dtype) -> int:
   return max(0, n * (update_dtype.itemsize - param_dtype.itemsize))
 
 
-def _estimate_count(n: int, dtype: np.dtype, master, opt: NamedOptimizer, common) -> Estimate:
+def _estimate_count(
+  n: int, dtype: np.dtype, master, moments, opt: NamedOptimizer, common
+) -> Estimate:
   use_master = master is not None and _count_needs_master(dtype, master)
   state_dtype = master if use_master else dtype
   master_bytes = n * master.itemsize if use_master else 0
-  offloaded = master_bytes + n * opt.slots * state_dtype.itemsize
+  # Every slot of a named optimizer is a float array shaped like its param: a moment.
+  slot_dtype = state_dtype
+  if moments is not None and compress.narrows(state_dtype, moments):
+    slot_dtype = moments
+  offloaded = master_bytes + n * opt.slots * slot_dtype.itemsize
+  state_name = dtype_name(state_dtype)
+  if slot_dtype != state_dtype and opt.slots:
+    state_name = "mixed" if use_master else dtype_name(slot_dtype)
   host_limit, window = common["host_limit"], common["window_bytes"]
   host, nvme = offloaded, 0
   if host_limit is not None and offloaded > host_limit and common["nvme"]:
@@ -522,7 +546,7 @@ def _estimate_count(n: int, dtype: np.dtype, master, opt: NamedOptimizer, common
   return Estimate(
     params=n,
     param_dtype=dtype_name(dtype),
-    state_dtype=dtype_name(state_dtype),
+    state_dtype=state_name,
     param_bytes=param_bytes,
     grad_bytes=param_bytes,
     device_state_bytes=0,
@@ -537,7 +561,7 @@ def _estimate_count(n: int, dtype: np.dtype, master, opt: NamedOptimizer, common
   )
 
 
-def _tree_plan(tree: Any, tx, master, min_size: int, common) -> tree_plan.TreePlan:
+def _tree_plan(tree: Any, tx, master, moments, min_size: int, common) -> tree_plan.TreePlan:
   """The plan `offload` would make of `tree` (`tree_plan`, the derivation offload runs at init),
   or when the state exceeds `host_limit` without an NVMe tier, the plan without that limit (the
   report then shows the shortfall)."""
@@ -557,7 +581,7 @@ def _tree_plan(tree: Any, tx, master, min_size: int, common) -> tree_plan.TreePl
     master_lib.check_master_dtype(avals, paths, master)
   try:
     derived = tree_plan.derive_leaves(
-      tree_plan.offloaded_inner(tx, master),
+      tree_plan.offloaded_inner(tx, master, moments),
       treedef,
       paths,
       avals,
@@ -576,8 +600,8 @@ def _tree_plan(tree: Any, tx, master, min_size: int, common) -> tree_plan.TreePl
     return tree_plan.place(derived, window_bytes=window, host_limit=None, nvme=False)
 
 
-def _estimate_tree(tree: Any, tx, master, min_size: int, common) -> Estimate:
-  t = _tree_plan(tree, tx, master, min_size, common)
+def _estimate_tree(tree: Any, tx, master, moments, min_size: int, common) -> Estimate:
+  t = _tree_plan(tree, tx, master, moments, min_size, common)
   plan, infos = t.plan, t.leaves
   sizes = [leaf.size for leaf in infos]
   has_master = [master is not None and master_lib.needs_master(d, master) for d in t.dtypes]

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_offload._src import _compat
+from optax_offload._src import compress
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
 from optax_offload._src import memory
@@ -48,6 +49,7 @@ def offload(
   window_bytes: int | str | None = None,
   check_separable: bool = True,
   nvme_options: nvme.NvmeOptions | dict[str, Any] | None = None,
+  moment_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps the state of a separable optax transformation in pinned host memory.
 
@@ -91,6 +93,11 @@ def offload(
       copies of about two more groups (a fetched group is copied into the program's buffers; a put's
       operands are copied to host arrays), and on a CPU backend the device window (`window_bytes`)
       is host memory too.
+    moment_dtype: e.g. ``"bf16"``: keep the inner state's moments in this dtype on every tier,
+      halving their host, link and disk bytes (`with_moment_dtype`: the float state arrays shaped
+      like their param, not the master copy, counts or hyper-parameters). The update widens them,
+      computes as before and rounds the new moments to nearest even. Floats of 16 bits or more;
+      ``"int8"`` is refused.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. Its state is an `OffloadState`.
@@ -130,7 +137,8 @@ def offload(
   nvme_options = nvme.NvmeOptions.of(nvme_options)
   host_limit_bytes = units.parse_bytes(host_limit, "host_limit")
 
-  inner = tree_plan.offloaded_inner(inner, master_dtype)
+  moment_dtype = compress.parse_moment_dtype(moment_dtype)
+  inner = tree_plan.offloaded_inner(inner, master_dtype, moment_dtype)
   if nvme_dir is not None and host_limit_bytes is None:
     warnings.warn(
       "offload: nvme_dir is given but host_limit is None, so the host tier takes all the state "

@@ -31,6 +31,8 @@ def report(e: Estimate) -> str:
 def _summary(e: Estimate) -> list[str]:
   """The model and optimizer, and for a bare count the bytes per parameter."""
   master = f", {e.master_dtype} master copy" if e.master_dtype else ""
+  if e.moment_dtype:
+    master += f", moments in {e.moment_dtype}"
   shapes = "" if e.plan is None else f" in {len(e.leaves)} leaves"
   lines = [
     f"optax_offload plan: {e.params:,} params ({e.param_dtype}){shapes}, {e.optimizer} with "

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_offload._src import compress
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
 from optax_offload._src import memory
@@ -36,11 +37,15 @@ from optax_offload._src import separable
 
 
 def offloaded_inner(
-  inner: optax.GradientTransformation, master_dtype: Any = None
+  inner: optax.GradientTransformation, master_dtype: Any = None, moment_dtype: Any = None
 ) -> optax.GradientTransformationExtraArgs:
-  """The transformation `offload` runs group by group: `inner` with extra-args support, updating
-  master copies in `master_dtype` (when given) of the params narrower than it."""
+  """The transformation `offload` runs group by group and `estimate` plans: `inner` with
+  extra-args support, its moments kept in `moment_dtype` (when given, `compress.with_moment_dtype`),
+  updating master copies in `master_dtype` (when given) of the params narrower than it (the master
+  wraps the moments' wrapper, so the master copy keeps its dtype)."""
   inner = optax.with_extra_args_support(inner)
+  if moment_dtype is not None:
+    inner = compress.with_moment_dtype(inner, moment_dtype)
   if master_dtype is not None:
     inner = master_lib.with_master_weights(inner, master_dtype)
   return inner
