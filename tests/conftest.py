@@ -106,9 +106,10 @@ WHOLE_LEAF_WINDOW = 1_200_000
 For tests of whole-leaf groups. Tiers need no such window to compare bit for bit: the plan slices a
 leaf the same way on the host and NVMe tiers (same groups, same bits)."""
 
-RTOL = 1e-5
+RTOL = 1e-6
 """Numerics-rule tolerance against plain optax for grouped updates: per leaf, relative to the leaf's
-largest magnitude (measured: at most 2e-7 after 20 steps of adam/adamw/nadamw/adabelief/lamb)."""
+largest magnitude (measured: at most 2e-7 after 20 steps of adam/adamw/nadamw/adabelief/lamb; 1e-5
+before, fifty times what was measured)."""
 
 
 def assert_close(ref, got, rtol: float = RTOL, ulps: float = 1):
