@@ -9,6 +9,8 @@ Examples:
   65536
 """
 
+from optax_offload._src.apply import init
+from optax_offload._src.apply import update_and_apply
 from optax_offload._src.checkpoint import OffloadCheckpointHandler
 from optax_offload._src.checkpoint import OffloadRestore
 from optax_offload._src.checkpoint import OffloadSave
@@ -32,7 +34,6 @@ from optax_offload._src.nvme import NvmeOptions
 from optax_offload._src.nvme import NvmeWriteError
 from optax_offload._src.offload import abstract_state
 from optax_offload._src.offload import offload
-from optax_offload._src.offload import update_and_apply
 from optax_offload._src.offloaded_scan import STREAM_XLA_OPTIONS
 from optax_offload._src.offloaded_scan import offloaded_layers
 from optax_offload._src.offloaded_scan import offloaded_scan
@@ -82,6 +83,7 @@ __all__ = (
   "footprint",
   "format_bytes",
   "hardware",
+  "init",
   "make_plan",
   "master_params",
   "measure_bandwidths",
