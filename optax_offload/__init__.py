@@ -55,6 +55,16 @@ from optax_offload._src.value_and_update import value_and_update
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+  # `oo.nnx` and `oo.linen` import Flax, an optional dependency: only when first used.
+  if name in ("nnx", "linen"):
+    import importlib
+
+    return importlib.import_module(f"optax_offload.{name}")
+  raise AttributeError(f"module 'optax_offload' has no attribute {name!r}")
+
+
 __all__ = (
   "Bandwidths",
   "Estimate",

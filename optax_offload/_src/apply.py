@@ -90,6 +90,15 @@ def _structure(tx: Any, name: str) -> _Structure:
   return structure
 
 
+def recognises(tx: Any) -> bool:
+  """Whether `update_and_apply` takes `tx` (the Flax wrappers fall back to optax otherwise)."""
+  try:
+    _structure(tx, "")
+  except TypeError:
+    return False
+  return True
+
+
 def init(tx: optax.GradientTransformation | optax.MultiSteps, params: optax.Params) -> Any:
   """``tx.init(params)``, with every part of the state placed where the streamed update keeps it.
 
