@@ -153,3 +153,22 @@ def test_refuses_what_it_does_not_know():
   )
   with pytest.raises(NotImplementedError, match="should_skip_update_fn"):
     oo.init(skip, params)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_h100_program_has_no_host_compute(k):
+  # Compiled for an H100: the norm's sums, the accumulation and the clip run on the device with the
+  # weights in pinned host memory (optax's own norm over host leaves, or a hand-written one, makes
+  # XLA turn them into host compute), and with MultiSteps the offloaded update is a conditional.
+  from helpers import gpu_compile_or_skip
+
+  gpu_compile_or_skip()
+  params = {"layers": oo.to_pinned_host(jnp.zeros((4, 256, 256))), "head": jnp.zeros((256, 64))}
+  tx = _wrap(oo.offload(optax.adamw(1e-3), window_bytes="3MiB"), 1.0, k)
+
+  def step(p, s, g):
+    return oo.update_and_apply(tx, g, s, p)
+
+  program = oo.compile_for_gpu(step, params, oo.init(tx, params), params, donate_argnums=(0, 1))
+  assert program.schedule.host_compute == ()
+  assert (" conditional(" in program.hlo) == (k > 1)
