@@ -64,9 +64,17 @@ def _offloaded_run(tx, params, grads, host):
   return params, state
 
 
-@pytest.mark.parametrize("host", [False, True], ids=["device_weights", "host_weights"])
-@pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+  "name, k, host",
+  [
+    ("sgd", 1, False),
+    ("sgd", 1, True),
+    ("sgd", 3, True),
+    ("adamw", 1, True),
+    ("adamw", 3, False),
+    ("adamw", 3, True),
+  ],
+)
 def test_clip_and_accumulate_equal_plain_optax(name, k, host):
   params, clip = _params(), 0.5  # the clip triggers: the gradients' norm is ~40
   grads = _grads(params, 2 * k)
