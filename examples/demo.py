@@ -12,19 +12,43 @@ compared: offloading moves optimizer state, it must not change the numbers.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
+import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import matplotlib
-import numpy as np
-import optax
-from flax import nnx
-from tqdm import tqdm
+
+@contextlib.contextmanager
+def without_cuda_stub_notices():
+  """Hides the two lines the CUDA plugin (the test extra's, for compile-only GPU programs) writes
+  to stderr each time JAX loads it on a machine without a GPU ("Could not find cuda
+  drivers", and absl's note that logging is not initialised); every other line goes through."""
+  noise = ("cudart_stub.cc", "absl::InitializeLog()")
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode="w+") as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      sys.stderr.writelines(line for line in captured if not any(n in line for n in noise))
+
+
+with without_cuda_stub_notices():
+  import jax
+
+import jax.numpy as jnp  # noqa: E402
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 matplotlib.use("Agg")  # write a PNG; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
@@ -189,11 +213,10 @@ def train(args, txs, train_data, train_offsets, val_batches):
     if streamed:
       stack_blocks(model)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    if streamed:
-      # The host stack is committed to a device, so the step's outputs are too: committing the
-      # other inputs now spares compiling the step a second time at step 1 (5 s on CPU).
-      for node in (model, optimizer):
-        nnx.update(node, jax.tree.map(lambda x: jax.device_put(x, x.sharding), nnx.state(node)))
+    # The offloaded state (and a host stack) is committed to a device, so the step's outputs are
+    # too: committing the other inputs now spares compiling the step a second time at step 1.
+    for node in (model, optimizer):
+      nnx.update(node, jax.tree.map(lambda x: jax.device_put(x, x.sharding), nnx.state(node)))
     step_fn = {"stream": stream_train_step, "fused": fused_train_step}.get(name, train_step)
     runs[name] = dict(model=model, optimizer=optimizer, step_fn=step_fn, losses=[], times=[])
   desc = f"{jax.devices()[0].platform}, state MiB device/host/nvme"
@@ -264,7 +287,9 @@ def main():
 
   if args.device == "cpu":  # must happen before JAX starts a backend
     jax.config.update("jax_platforms", "cpu")
-  elif jax.default_backend() != "gpu":
+  with without_cuda_stub_notices():  # starting the backend loads the plugin once more
+    backend = jax.default_backend()
+  if args.device == "gpu" and backend != "gpu":
     print("no GPU found, running on CPU")
   if args.offload != "none" and not hasattr(oo, "offload"):
     p.error("optax_offload is not importable here; use --offload none")

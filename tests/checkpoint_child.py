@@ -4,6 +4,11 @@ Usage:
   python checkpoint_child.py resume CASES_JSON
     For each case (a dict: opt, tier, ckpt, step, nvme_dir, out): restores the checkpoint into a
     fresh `offload` state, trains `RESUME_STEPS` steps and writes the result to `out` (npz).
+  python checkpoint_child.py standard CKPT_DIR STEP OUT
+    Restores params and a host-tier adamw state saved with Orbax's StandardCheckpointer, by its
+    documented recipe (ShapeDtypeStructs with the target's shardings), checks the restored state
+    is placed as `tx.init`'s (memory kinds and types), trains `RESUME_STEPS` jitted steps and
+    writes the result to OUT (npz).
   python checkpoint_child.py train CKPT_DIR NVME_DIR EVERY [slow_link]
     Trains adamw with host and NVMe tiers, checkpointing every EVERY steps, until killed. Prints
     "ready" once compiled and "save N" before each (asynchronous) save. With slow_link, linking
@@ -126,6 +131,21 @@ def resume(cases_json: str) -> None:
   print("done", flush=True)
 
 
+def standard(ckpt_dir: str, step: int, out: str) -> None:
+  params = committed_params()
+  tx = make_tx("adamw", "host")
+  target = {"p": params, "s": tx.init(params)}
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
+  )
+  restored = ocp.StandardCheckpointer().restore(ckpt_dir, abstract)
+  if placement(restored["s"]) != placement(target["s"]):
+    raise AssertionError("the restored state is not placed (typed) like tx.init's")
+  p, s = run(make_step(tx), restored["p"], restored["s"], step, step + RESUME_STEPS)
+  np.savez(out, **result(p, s))
+  print("done", flush=True)
+
+
 def train(ckpt_dir: str, nvme_dir: str, every: int, slow_link: bool = False) -> None:
   if slow_link:  # a slow copy of the NVMe files: a kill lands inside the save's background part
     from optax_offload._src import checkpoint
@@ -155,6 +175,8 @@ def train(ckpt_dir: str, nvme_dir: str, every: int, slow_link: bool = False) -> 
 if __name__ == "__main__":
   if sys.argv[1] == "resume":
     resume(sys.argv[2])
+  elif sys.argv[1] == "standard":
+    standard(sys.argv[2], int(sys.argv[3]), sys.argv[4])
   elif sys.argv[1] == "train":
     train(sys.argv[2], sys.argv[3], int(sys.argv[4]), slow_link=sys.argv[5:] == ["slow_link"])
   else:

@@ -150,6 +150,23 @@ def test_resume_in_a_fresh_process(fast_dir):
       assert _results_equal(want, dict(got)), (opt, tier)
 
 
+def test_standard_checkpointer_restore_trains_on_in_a_fresh_process(tmp_path):
+  # Orbax's own recipe: StandardCheckpointer, restored into ShapeDtypeStructs with the target's
+  # shardings. On one device those are SingleDeviceShardings, which jax 0.10 builds into arrays
+  # typed as device memory; the restored host-tier state must still enter the step as tx.init's.
+  params = child.committed_params()
+  tx = child.make_tx("adamw", "host")
+  step = child.make_step(tx)
+  p, s = child.run(step, params, tx.init(params), 0, 2)
+  ckpt = tmp_path / "ckpt"
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(ckpt, {"p": p, "s": s})
+  expected = child.result(*child.run(step, p, s, 2, 2 + child.RESUME_STEPS))
+  out = tmp_path / "resumed.npz"
+  run_child("checkpoint_child.py", "standard", ckpt, 2, out)
+  assert _results_equal(dict(np.load(out)), expected)
+
+
 def test_restore_into_other_placements_and_plain_optax(fast_dir):
   params = child.committed_params()
   host_tx = child.make_tx("adamw", "host")

@@ -68,7 +68,31 @@ def test_code_examples_run(page, tmp_path, monkeypatch):
   monkeypatch.setattr(log, "level", log.level)
   monkeypatch.setattr(log, "propagate", log.propagate)
   # The page's blocks run in order, in one fresh namespace, as a reader would paste them.
-  exec(compile("\n".join(blocks), page, "exec"), {"__name__": f"docs.{page}"})
+  namespace = {"__name__": f"docs.{page}"}
+  exec(compile("\n".join(blocks), page, "exec"), namespace)
+  # A step a page calls again must not compile again (uncommitted params against the offloaded
+  # state's committed arrays would make the second call compile a second program).
+  compiled_twice = {name: n for name, n in map(_compilations, namespace.items()) if n > 1}
+  assert not compiled_twice, f"{page}: steps compiled more than once: {compiled_twice}"
+
+
+def _compilations(item) -> tuple[str, int]:
+  """(name, how many programs a jitted function compiled; 0 for any other value)."""
+  name, value = item
+  try:
+    return name, int(value._cache_size())
+  except (
+    Exception
+  ):  # not a jitted function (and some objects raise other errors than AttributeError)
+    return name, 0
+
+
+def test_readme_first_example_runs_and_compiles_once():
+  first = _BLOCK.findall(open(os.path.join(ROOT, "README.md")).read())[0]
+  namespace = {"__name__": "docs.README"}
+  exec(compile(first, "README.md", "exec"), namespace)
+  assert _compilations(("train_step", namespace["train_step"])) == ("train_step", 1)
+  assert namespace["oo"].footprint(namespace["state"])["host"] == 2 * 4 * 1024 * 256
 
 
 def test_quickstart_logging_recipe_prints_each_line_once():

@@ -50,6 +50,15 @@ def copies(schedule, direction: str) -> tuple[int, int, int]:
   return hit, total, sum(c.nbytes for c in schedule.copies if c.direction == direction)
 
 
+def assert_step_copies(schedule, counts: dict) -> None:
+  """A training step's copies: as many as measured in each direction, no fewer of them in flight
+  during compute, and no host compute."""
+  for direction, (hit, total) in counts.items():
+    got_hit, got_total, _ = copies(schedule, direction)
+    assert got_total == total and got_hit >= hit, (direction, got_hit, got_total)
+  assert not schedule.host_compute
+
+
 def assert_streams(program, window: int, state_bytes: int, temp_ratio: float, counts: dict):
   """The update streams as docs/gpu.md's table says.
 
@@ -238,6 +247,10 @@ def test_a_stacked_llama_step_keeps_the_state_off_the_device():
   assert off.memory.host >= 0.99 * 12 * cfg.params  # fp32 master, mu, nu in pinned host memory
   assert weights_and_grads + window <= off.memory.device <= 4.8 * cfg.params, off.memory
   assert plain.device - off.memory.device >= 6 * cfg.params - window, (plain, off.memory)
+  # The update's copies in the whole step (docs/gpu.md, "In a training step"): each row slice has
+  # three state arrays (fp32 master, mu, nu) and XLA:GPU keeps two copies in flight, so one of
+  # each three arrives (and leaves) with no compute beside it: 108/168 in, 109/168 out measured.
+  assert_step_copies(off.schedule, {"to_device": (108, 168), "to_host": (109, 168)})
 
 
 def test_host_update_moves_only_gradients_params_and_updates():
@@ -305,8 +318,13 @@ def test_a_stacked_llama_step_with_the_weights_offloaded_too():
   cfg = llama.Config(d=256, layers=24, ffn=768, heads=4, vocab=4096)
   stack = cfg.params - 2 * cfg.vocab * cfg.d - cfg.d
   window = 32 * MiB  # about 20 groups (compile time grows fast with the group count)
-  state = gpu_memory.compile_step(cfg, "offload_state", "h100_24gb", window, seq=256).memory
-  both = gpu_memory.compile_step(cfg, "offload_all", "h100_24gb", window, seq=256).memory
+  state_program = gpu_memory.compile_step(cfg, "offload_state", "h100_24gb", window, seq=256)
+  both_program = gpu_memory.compile_step(cfg, "offload_all", "h100_24gb", window, seq=256)
+  state, both = state_program.memory, both_program.memory
   assert both.host >= 0.99 * (12 * cfg.params + 4 * stack)  # state, and the stack's weights + grads
   off_device = state.device - both.device
+  # offload_all: the stack's weights arrive and its gradients leave beside the backward pass's
+  # compute; only the update's first arrivals and last departures miss (197/200 in, 133/136 out).
+  assert_step_copies(state_program.schedule, {"to_device": (44, 72), "to_host": (45, 72)})
+  assert_step_copies(both_program.schedule, {"to_device": (197, 200), "to_host": (133, 136)})
   assert off_device >= 4 * stack, (state.device, both.device)

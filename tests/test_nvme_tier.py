@@ -133,7 +133,9 @@ def test_tiers_names_the_tier_of_every_array(tmp_path):
       "scale": "device",
     }
     assert named[1].inner[0].mu == want and named[1].inner[0].nu == want
-    assert named[1].inner[0].count == "device" and named[1].nvme_store == "device"
+    assert named[1].inner[0].count == "device"
+    # The store's id and generation are not state in a tier: tiers leaves them out.
+    assert named[1].nvme_store is None and named[1].nvme_generation is None
     # The bytes of the arrays each tier holds add up to footprint's.
     totals = {"device": 0, "host": 0, "nvme": 0}
     for where, x in zip(jax.tree.leaves(named[1].inner), jax.tree.leaves(oo.to_inner(state)[1])):
@@ -142,6 +144,9 @@ def test_tiers_names_the_tier_of_every_array(tmp_path):
     assert (totals["host"], totals["nvme"]) == (fp["host"], fp["nvme"]) and fp["nvme"] > 0
   finally:
     oo.close_nvme(state)
+  # After close_nvme the files stay on disk: both still say what the state holds where.
+  assert oo.footprint(state) == fp
+  assert oo.tiers(state) == named
 
 
 def test_eager_update_with_nvme(tmp_path):

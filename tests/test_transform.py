@@ -1,6 +1,7 @@
 """Tests of `offload`: numerics against plain optax, placement, composition, donation, bad input."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -540,3 +541,21 @@ def test_many_groups_warn_about_compile_time(caplog):
   with caplog.at_level("WARNING", logger="optax_offload._src.offload"):
     tx.init(params)
   assert "100 groups" in caplog.text and "raise window_bytes" in caplog.text
+
+
+def test_uncommitted_params_on_an_accelerator_warn_once(monkeypatch):
+  # The CPU stands in for an accelerator: the check is which devices hold uncommitted params.
+  from optax_offload._src import offload as offload_lib
+
+  monkeypatch.setattr(offload_lib, "_is_accelerator", lambda device: True)
+  monkeypatch.setattr(offload_lib, "_UNCOMMITTED_WARNED", False)
+  tx = oo.offload(optax.sgd(0.1, momentum=0.9))
+  committed = jax.device_put({"w": jnp.zeros((128, 64))}, jax.devices()[0])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.init(committed)
+  with pytest.warns(UserWarning, match=r"compile twice.*jax.device_put\(params"):
+    tx.init({"w": jnp.zeros((128, 64))})
+  with warnings.catch_warnings():  # once per process
+    warnings.simplefilter("error")
+    tx.init({"w": jnp.zeros((128, 64))})

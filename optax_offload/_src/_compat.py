@@ -35,6 +35,13 @@ jax.core.Tracer (`Tracer`: stream;    Public, same.
 memory, offload, inspection)
 jax.memory.Space                      Public, same (``core.MemorySpace``: Device, Host, Any).
 jax.device_put(x, Space) in jit       Public, same (api.device_put accepts ``core.MemorySpace``).
+jax._src.array.ArrayImpl(aval, shard- Private (`host_typed`): the constructor of a concrete array
+ing, arrays, committed), .aval        from its per-device buffers (``x._arrays``), used to give a
+.update(memory_space=), ._arrays,     pinned-host array its host-memory type without a copy. In
+._committed                           jax 0.10 `core.update_aval_with_sharding` sets the memory
+                                      space only for a NamedSharding, so a one-device array made
+                                      from shards (Orbax's restore, ``make_array_from_callback``)
+                                      says pinned_host in its sharding and device in its type.
 jax.shard_map (nvme_tier.callbacks)   Public, same: ``shard_map(f=None, /, *, out_specs,
                                       in_specs=Infer, mesh=None, axis_names=frozenset(),
                                       check_vma=True)``.
@@ -70,7 +77,7 @@ optax.MultiSteps private attributes   Private; same in optax 0.2.8: ``_every_k_s
                                       default one is ``MultiSteps.__init__``'s local function).
 ====================================  ==========================================================
 
-Orbax (orbax-checkpoint 0.12.8, installed and tested), for `add_orbax_zero_size_hint` only:
+Orbax (orbax-checkpoint 0.12.8, installed and tested), for `install_orbax_array_handler` only:
 
 ====================================  ==========================================================
 name                                  what is relied on
@@ -78,8 +85,9 @@ name                                  what is relied on
 ocp.type_handlers.get_type_handler,   Public: the handler registered for ``jax.Array``, and
 register_type_handler(..., override)  replacing it (the registry is process-global).
 ocp.type_handlers.ArrayHandler        Public class, subclassed; its async ``serialize(values,
-.serialize                            infos, args=None)`` raises for zero-size arrays unless
-                                      ``has_dispatcher()`` (Pathways), checked the same way.
+.serialize, .deserialize              infos, args=None)`` raises for zero-size arrays unless
+                                      ``has_dispatcher()`` (Pathways), checked the same way; its
+                                      async ``deserialize(infos, args=None)`` returns the arrays.
 ArrayHandler's instance attributes    Not public: the registered handler's settings (primary
                                       host, replica id, OCDBT, dispatcher, ...) live in its
                                       ``__dict__``, copied into the replacement so that a user's
@@ -141,7 +149,8 @@ __all__ = [
   "NO_PARAMS_MSG",
   "ParamsPlaceholder",
   "Tracer",
-  "add_orbax_zero_size_hint",
+  "host_typed",
+  "install_orbax_array_handler",
   "compute_on_host",
 ]
 
@@ -299,14 +308,35 @@ class _WithoutOverrideWarning(logging.Filter):
     return "overriding" not in record.getMessage()
 
 
-def add_orbax_zero_size_hint(hint: str) -> bool:
-  """Replaces Orbax's registered ``jax.Array`` handler by one whose zero-size error adds `hint`.
+def host_typed(x: Any) -> Any:
+  """`x`, a concrete array in pinned host memory, typed as host memory (the same buffers, no copy).
 
-  Orbax refuses to save zero-size arrays, naming only the leaf. The replacement is a subclass of
-  Orbax's own ``ArrayHandler`` with the registered handler's settings, which raises the same error
-  with `hint` appended and otherwise saves and restores exactly as the handler it replaces. It is
-  installed only when the registered handler is Orbax's own class (a handler a user registered with
-  another class is left alone). Process-global, as Orbax's registry is.
+  jax 0.10 types a one-device array made from its shards (Orbax's restore,
+  ``jax.make_array_from_callback``) as device memory even when its sharding says ``pinned_host``;
+  a jitted step then traces it as device memory. Anything else is returned as it is.
+  """
+  from jax._src import array as array_lib  # private: see the table above
+
+  if (
+    isinstance(x, array_lib.ArrayImpl)
+    and memory.is_pinned_host(x.sharding)
+    and not memory.in_host(x)
+  ):
+    aval = x.aval.update(memory_space=memory.HOST)
+    return array_lib.ArrayImpl(aval, x.sharding, x._arrays, committed=x._committed)
+  return x
+
+
+def install_orbax_array_handler(hint: str) -> bool:
+  """Replaces Orbax's registered ``jax.Array`` handler by one that knows offloaded states.
+
+  The replacement is a subclass of Orbax's own ``ArrayHandler`` with the registered handler's
+  settings, which saves and restores exactly as the handler it replaces, except that (1) Orbax's
+  refusal to save a zero-size array (naming only the leaf) gets `hint` appended, and (2) restored
+  arrays in pinned host memory are typed as host memory (`host_typed`), so a restored offloaded
+  state enters a jitted step as ``tx.init``'s did. It is installed only when the registered handler
+  is Orbax's own class (a handler a user registered with another class is left alone).
+  Process-global, as Orbax's registry is.
 
   Args:
     hint: text appended to the zero-size error.
@@ -320,8 +350,9 @@ def add_orbax_zero_size_hint(hint: str) -> bool:
   if type(current) is not ocp.type_handlers.ArrayHandler:
     return False
 
-  class ArrayHandlerWithHint(ocp.type_handlers.ArrayHandler):
-    """Orbax's ``jax.Array`` handler, whose zero-size error says how to save such a state."""
+  class OffloadArrayHandler(ocp.type_handlers.ArrayHandler):
+    """Orbax's ``jax.Array`` handler: a zero-size error that says how to save such a state, and
+    restored pinned-host arrays typed as host memory."""
 
     async def serialize(self, values, infos, args=None):
       if not self.has_dispatcher():  # Orbax's own condition for its zero-size error
@@ -330,7 +361,10 @@ def add_orbax_zero_size_hint(hint: str) -> bool:
             raise ValueError(f"Cannot save arrays with zero size: {info.name}. {hint}")
       return await super().serialize(values, infos, args)
 
-  handler = ArrayHandlerWithHint.__new__(ArrayHandlerWithHint)
+    async def deserialize(self, infos, args=None):
+      return [host_typed(x) for x in await super().deserialize(infos, args)]
+
+  handler = OffloadArrayHandler.__new__(OffloadArrayHandler)
   handler.__dict__.update(vars(current))
   quiet = _WithoutOverrideWarning()  # Orbax logs a warning for every override
   absl_logger = logging.getLogger("absl")

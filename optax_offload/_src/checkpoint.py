@@ -760,8 +760,8 @@ _ZERO_SIZE_HINT = (
 # Orbax's own zero-size error names only the leaf; a StandardSave of an NVMe-tier state meets it
 # first, and nothing of ours runs in such a save. So the hint goes into the handler Orbax uses for
 # jax.Array, once, when this module is imported (see docs/checkpoints.md, "What optax_offload
-# changes in Orbax", and `_compat.add_orbax_zero_size_hint` for the non-public parts it relies on).
-_compat.add_orbax_zero_size_hint(_ZERO_SIZE_HINT)
+# changes in Orbax", and `_compat.install_orbax_array_handler` for the non-public parts it relies on).
+_compat.install_orbax_array_handler(_ZERO_SIZE_HINT)
 
 
 @ocp.args.register_with_handler(OffloadCheckpointHandler, for_save=True)

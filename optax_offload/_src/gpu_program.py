@@ -38,6 +38,7 @@ from typing import Any
 import jax
 
 from optax_offload._src import _compat
+from optax_offload._src import units
 
 if TYPE_CHECKING:  # step_time imports this module
   from optax_offload._src import step_time
@@ -286,8 +287,15 @@ class GpuProgram:
 
   target: str
   memory: DeviceMemory
-  hlo: str
+  hlo: str  # the scheduled module's text (megabytes for a model: not in the repr)
   compile_seconds: float
+
+  def __repr__(self) -> str:
+    return (
+      f"GpuProgram(target={self.target!r}, device={units.format_bytes(self.memory.device)}, "
+      f"host={units.format_bytes(self.memory.host)}, hlo={len(self.hlo):,} characters, "
+      f"compile_seconds={self.compile_seconds:.1f})"
+    )
 
   @functools.cached_property
   def schedule(self) -> Schedule:

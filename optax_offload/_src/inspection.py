@@ -54,7 +54,7 @@ def footprint(state: Any) -> dict[str, int]:
     totals["host" if memory.kind_is_host(leaf.sharding) else "device"] += nbytes
   for s in _offload_states(state):
     if int(s.nvme_store) >= 0:
-      totals["nvme"] += nvme_tier.lookup(s.nvme_store).bytes()
+      totals["nvme"] += nvme_tier.lookup(s.nvme_store, closed_ok=True).bytes()
   return totals
 
 
@@ -62,7 +62,8 @@ def tiers(state: Any) -> Any:
   """Where each array of a state rests between steps: ``"device"``, ``"host"`` or ``"nvme"``.
 
   An NVMe-tier array is held in the state as an empty placeholder (its data is in the store), whose
-  own ``sharding.memory_kind`` says ``"device"``; this view names its tier. Arrays outside
+  own ``sharding.memory_kind`` says ``"device"``; this view names its tier. An `OffloadState`'s
+  ``nvme_store`` and ``nvme_generation`` (ids, not state) are None in it. Arrays outside
   `OffloadState`s (a clipping state in a chain, `optax.MultiSteps` accumulators) are named by their
   memory kind.
 
@@ -96,10 +97,11 @@ def tiers(state: Any) -> Any:
     return "host" if memory.kind_is_host(x.sharding) else "device"
 
   def of_state(s: OffloadState) -> OffloadState:
-    named = jax.tree.map(of_array, s)
+    named = jax.tree.map(of_array, s.inner)
+    named = s._replace(inner=named, nvme_store=None, nvme_generation=None)  # ids, not tiered state
     if int(s.nvme_store) < 0:
       return named
-    tier = nvme_tier.lookup(s.nvme_store)
+    tier = nvme_tier.lookup(s.nvme_store, closed_ok=True)
     return named._replace(inner=tier.replace_arrays(named.inner, lambda key, x: "nvme"))
 
   return jax.tree.map(

@@ -241,6 +241,8 @@ class _Offloaded:
       return OffloadState(layout.merge(shared, per_leaf), *setup.handles(generation))
 
     concrete = [v for v in values if not isinstance(v, jax.ShapeDtypeStruct)]
+    if not abstract_only:
+      _warn_if_uncommitted(concrete)
     abstract = jax.eval_shape(place, *concrete)
     inner_shardings, default = setup_lib.state_shardings(
       setup, layout, abstract.inner, shardings, named=abstract_only
@@ -445,10 +447,47 @@ def _split_checked(setup: setup_lib.Setup, layout, inner_state, paths):
           "offload keeps it in pinned host memory: the state lost its placement. jax.eval_shape "
           "returns no memory kinds, and in jax 0.10 a jax.ShapeDtypeStruct carries its memory kind "
           "into tracing only with a NamedSharding (not with the SingleDeviceSharding of a "
-          "one-device state). Use the state tx.init returns, oo.abstract_state(tx, params) for "
-          "abstract (ahead-of-time) tracing, or params on a jax.sharding.Mesh."
+          "one-device state); a one-device array built from its shards (jax.make_array_from_"
+          "callback) is typed as device memory even when its sharding says pinned_host. Use the "
+          "state tx.init returns (or an Orbax restore of it), oo.abstract_state(tx, params) for "
+          "abstract (ahead-of-time) tracing, params on a jax.sharding.Mesh, or move such arrays "
+          "with jax.device_put(x, jax.memory.Space.Host)."
         )
   return shared, per_leaf
+
+
+_UNCOMMITTED_WARNED = False
+
+
+def _is_accelerator(device: jax.Device) -> bool:
+  return device.platform != "cpu"
+
+
+def _warn_if_uncommitted(values: Sequence[Any]) -> None:
+  """Warns once per process when `init` gets uncommitted params on an accelerator.
+
+  The state `init` returns is committed (placed with explicit shardings), so a jitted step's outputs
+  are too: with uncommitted params in the first call, the second call has other input shardings and
+  compiles the step again (on a large model, minutes). On the CPU the second compile is cheap and
+  tests make many such states, so only accelerators warn.
+  """
+  global _UNCOMMITTED_WARNED
+  if _UNCOMMITTED_WARNED:
+    return
+  for v in values:
+    if not isinstance(v, jax.Array) or isinstance(v, jax.core.Tracer) or v.committed:
+      continue
+    if not any(_is_accelerator(d) for d in v.devices()):
+      continue
+    _UNCOMMITTED_WARNED = True
+    warnings.warn(
+      "offload: tx.init got params that are not committed to a device (made by jnp or a Flax "
+      "initializer outside jax.jit), while the state it returns is: a jitted step would compile "
+      "twice, once for the first call and once for the committed params it returns. Commit them "
+      "first: params = jax.device_put(params, jax.devices()[0]) (or give them a sharding).",
+      stacklevel=4,
+    )
+    return
 
 
 def _init_nvme(inner, setup: setup_lib.Setup, generation: int, build_params, concrete) -> None:

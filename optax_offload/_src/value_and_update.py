@@ -229,7 +229,8 @@ class _Step:
     self.fused = fused
     logger.info(
       "value_and_update: %s updated inside the backward pass; %d other leaves after it",
-      ", ".join(f"{paths[s[0]]} (+{len(s) - 1} leaves, {n} layers)" for s, n in stacks) or "nothing",
+      ", ".join(f"{paths[s[0]]} (+{len(s) - 1} leaves, {n} layers)" for s, n in stacks)
+      or "nothing",
       len(leaves) - len(fused),
     )
     rest = [i for i in range(len(leaves)) if i not in fused]

@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 _IDS = itertools.count(1)
 _OPEN: dict[int, NvmeTier] = {}
+_CLOSED: dict[int, NvmeTier] = {}
+"""Closed tiers, kept for inspection only (`footprint` and `tiers` of a state after `close_nvme`:
+its files stay on disk)."""
 
 EXIT_WAIT_S = 60.0
 """At exit, how long a tier waits for updates in flight (begun, not yet committed) before closing."""
@@ -43,7 +46,9 @@ def register(tier: NvmeTier) -> int:
 
 
 def unregister(tier_id: int) -> None:
-  _OPEN.pop(tier_id, None)
+  tier = _OPEN.pop(tier_id, None)
+  if tier is not None:
+    _CLOSED[tier_id] = tier
 
 
 def get(tier_id: int) -> NvmeTier | None:
@@ -51,14 +56,15 @@ def get(tier_id: int) -> NvmeTier | None:
   return _OPEN.get(tier_id)
 
 
-def lookup(store_id: Any) -> NvmeTier:
-  """The open tier a state names by its ``nvme_store`` id.
+def lookup(store_id: Any, *, closed_ok: bool = False) -> NvmeTier:
+  """The open tier a state names by its ``nvme_store`` id (with `closed_ok`, a closed one too, for
+  what its layout and size say: its store reads and writes nothing more).
 
   Raises:
     RuntimeError: no open tier has that id (closed, or made in another process).
   """
   key = int(np.asarray(store_id))
-  tier = _OPEN.get(key)
+  tier = _OPEN.get(key) or (_CLOSED.get(key) if closed_ok else None)
   if tier is None:
     raise RuntimeError(
       f"The NVMe store {key} named by this state is closed or belongs to another process. "
