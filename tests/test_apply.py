@@ -16,7 +16,12 @@ OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adamw": lambda: opta
 
 
 def _params():
+  """Committed, as the offloaded state is (else a jitted step compiles twice)."""
   rng = np.random.default_rng(0)
+  return jax.device_put(_leaves(rng), jax.devices()[0])
+
+
+def _leaves(rng):
   return {
     "layers": jnp.asarray(rng.normal(size=(4, 16, 32)), jnp.float32),
     "emb": jnp.asarray(rng.normal(size=(32, 32)), jnp.bfloat16),
@@ -61,6 +66,7 @@ def _offloaded_run(tx, params, grads, host):
   step = jax.jit(lambda p, s, g: oo.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
   for g in grads:
     params, state = step(params, state, _on_host(g) if host else g)
+  assert step._cache_size() == 1  # the state's scalars are committed like the params
   return params, state
 
 

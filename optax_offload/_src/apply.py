@@ -133,12 +133,28 @@ def init(tx: optax.GradientTransformation | optax.MultiSteps, params: optax.Para
   multi = s.multi
   dtype = _compat.multi_steps_accumulator_dtype(multi)
   return optax.MultiStepsState(
-    mini_step=jnp.zeros([], jnp.int32),
-    gradient_step=jnp.zeros([], jnp.int32),
+    mini_step=scalar_zero(jnp.int32, params),
+    gradient_step=scalar_zero(jnp.int32, params),
     inner_opt_state=multi.inner_opt.init(params),
     acc_grads=jax.tree.map(lambda p: _zeros_where(p, dtype), params),
     skip_state=(),
   )
+
+
+def scalar_zero(dtype, params: Any) -> jax.Array:
+  """A zero scalar committed where the params are (replicated on their mesh, in device memory),
+  uncommitted when no param is committed: a jitted step's outputs are committed, and a state
+  scalar that was not would make the second step compile again."""
+  for p in jax.tree.leaves(params):
+    sharding = getattr(p, "sharding", None)
+    if sharding is None or not getattr(p, "committed", False):
+      continue
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    else:
+      sharding = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+    return jax.device_put(jnp.zeros([], dtype), sharding)
+  return jnp.zeros([], dtype)
 
 
 def _zeros_where(p: Any, dtype) -> jax.Array:

@@ -57,9 +57,10 @@ class Optimizer(nnx.Optimizer):
     graph: bool | None = None,
   ):
     self.graph = graph
-    self.step = OptState(jnp.array(0, dtype=jnp.uint32))
-    self.tx = tx
     params = nnx.state(model, wrt, graph=graph)
+    # Committed where the params are (nnx.Optimizer's is not): else the second step compiles again.
+    self.step = OptState(apply.scalar_zero(jnp.uint32, nnx.as_pure(params)))
+    self.tx = tx
     state = apply.init(tx, params) if apply.recognises(tx) else tx.init(params)
     self.opt_state = nnx.data(to_opt_state(state))
     self.wrt = wrt
