@@ -9,6 +9,8 @@ Examples:
   65536
 """
 
+from optax_offload._src.apply import init
+from optax_offload._src.apply import update_and_apply
 from optax_offload._src.checkpoint import OffloadCheckpointHandler
 from optax_offload._src.checkpoint import OffloadRestore
 from optax_offload._src.checkpoint import OffloadSave
@@ -33,7 +35,6 @@ from optax_offload._src.nvme import NvmeOptions
 from optax_offload._src.nvme import NvmeWriteError
 from optax_offload._src.offload import abstract_state
 from optax_offload._src.offload import offload
-from optax_offload._src.offload import update_and_apply
 from optax_offload._src.offloaded_scan import STREAM_XLA_OPTIONS
 from optax_offload._src.offloaded_scan import offloaded_layers
 from optax_offload._src.offloaded_scan import offloaded_scan
@@ -54,6 +55,16 @@ from optax_offload._src.units import parse_bytes
 from optax_offload._src.value_and_update import value_and_update
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+  # `oo.nnx` and `oo.linen` import Flax, an optional dependency: only when first used.
+  if name in ("nnx", "linen"):
+    import importlib
+
+    return importlib.import_module(f"optax_offload.{name}")
+  raise AttributeError(f"module 'optax_offload' has no attribute {name!r}")
+
 
 __all__ = (
   "Bandwidths",
@@ -83,6 +94,7 @@ __all__ = (
   "footprint",
   "format_bytes",
   "hardware",
+  "init",
   "make_plan",
   "master_params",
   "measure_bandwidths",

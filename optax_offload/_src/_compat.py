@@ -71,6 +71,10 @@ optax.tree_utils._state_utils         Private; same in optax 0.2.8, the newest o
 ._ParamsPlaceholder (layout)
 optax._src.base.NO_PARAMS_MSG         Private; same in optax 0.2.8 (fallback string below).
 (master, offload)
+optax.MultiSteps private attributes   Private; same in optax 0.2.8: ``_every_k_schedule``
+(apply: `multi_steps_*`)              (step -> k), ``_acc_update(grad, acc, *, n_acc)``,
+                                      ``_accumulator_dtype``, ``_should_skip_update_fn`` (the
+                                      default one is ``MultiSteps.__init__``'s local function).
 ====================================  ==========================================================
 
 Orbax (orbax-checkpoint 0.12.8, installed and tested), for `install_orbax_array_handler` only:
@@ -409,3 +413,23 @@ def clip_by_global_norm_max_norm(part: Any) -> Any:
   if getattr(update, "__qualname__", "") != "clip_by_global_norm.<locals>.update_fn":
     return None
   return inspect.getclosurevars(update).nonlocals.get("max_norm")
+
+
+def multi_steps_every_k(multi: Any) -> Callable[[Any], Any]:
+  """``optax.MultiSteps``' schedule: gradient step -> micro-steps per step."""
+  return multi._every_k_schedule
+
+
+def multi_steps_acc_update(multi: Any) -> Callable[..., Any]:
+  """``optax.MultiSteps``' accumulation ``(grad, acc, *, n_acc) -> acc`` (running mean or sum)."""
+  return multi._acc_update
+
+
+def multi_steps_accumulator_dtype(multi: Any) -> Any:
+  return multi._accumulator_dtype
+
+
+def multi_steps_skips_nothing(multi: Any) -> bool:
+  """Whether an ``optax.MultiSteps`` has no ``should_skip_update_fn`` of the user's."""
+  fn = getattr(multi, "_should_skip_update_fn", None)
+  return getattr(fn, "__qualname__", "") == "MultiSteps.__init__.<locals>.should_skip_update_fn"

@@ -280,8 +280,14 @@ class _Offloaded:
   ) -> tuple[optax.Updates, OffloadState]:
     return self.run(updates, state, params, extra_args, apply=False)
 
-  def run(self, updates, state, params, extra_args, apply: bool):
-    """The update; with `apply`, returns new params instead of updates (`update_and_apply`)."""
+  def run(
+    self, updates, state, params, extra_args, apply: bool, grad_transform=None, grad_dtypes=None
+  ):
+    """The update; with `apply`, returns new params instead of updates (`update_and_apply`).
+
+    `grad_transform` and `grad_dtypes` are `stream.run`'s (a clip applied to each chunk of the
+    gradients, accumulated gradients cast back to the gradients' dtypes): `apply.update_and_apply`.
+    """
     if not isinstance(state, OffloadState):
       raise TypeError(
         f"offload's update expects the OffloadState returned by its init, got {type(state).__name__}."
@@ -315,6 +321,8 @@ class _Offloaded:
         generation=state.nvme_generation,
         store=state.nvme_store,
         apply=apply,
+        grad_transform=grad_transform,
+        grad_dtypes=grad_dtypes,
       )
     except ValueError as e:
       if _compat.NO_PARAMS_MSG in str(e) and params is None:
@@ -331,7 +339,7 @@ class _Offloaded:
 
 _OFFLOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """The update function of each `offload` transformation -> its `_Offloaded` (for
-`update_and_apply` and `abstract_state`)."""
+`apply.update_and_apply` and `abstract_state`)."""
 
 
 def abstract_state(tx: optax.GradientTransformation, params: optax.Params) -> OffloadState:
@@ -369,60 +377,6 @@ def abstract_state(tx: optax.GradientTransformation, params: optax.Params) -> Of
   if offloaded is None:
     raise TypeError("abstract_state needs a transformation returned by oo.offload.")
   return offloaded.init(params, abstract_only=True)
-
-
-def update_and_apply(
-  tx: optax.GradientTransformation,
-  grads: optax.Updates,
-  state: OffloadState,
-  params: optax.Params,
-  **extra_args,
-) -> tuple[optax.Params, OffloadState]:
-  """``tx.update`` then ``optax.apply_updates``, fused group by group: the updates never exist whole.
-
-  The same values as::
-
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-
-  but each group's new params are written into the params' buffers as soon as the group is
-  computed, so the device holds no param-sized updates (with ``master_dtype``, fp32 updates of bf16
-  params would take twice the params' size). Donate the params to the jitted step so that the new
-  params take their place.
-
-  Args:
-    tx: a transformation returned by `offload` (not a chain: apply leaf-mixing transformations such
-      as ``optax.clip_by_global_norm`` to the gradients first).
-    grads: the gradients.
-    state: the `OffloadState`.
-    params: the params.
-    **extra_args: passed to the inner transformation.
-
-  Returns:
-    (new params, new state).
-
-  Raises:
-    TypeError: when `tx` is not an `offload` transformation.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp, optax, optax_offload as oo
-    >>> params = {"w": jnp.ones((64, 128))}
-    >>> tx = oo.offload(optax.sgd(0.5), window_bytes="8KiB")
-    >>> state = tx.init(params)
-    >>> step = jax.jit(lambda g, s, p: oo.update_and_apply(tx, g, s, p), donate_argnums=(1, 2))
-    >>> params, state = step({"w": jnp.ones((64, 128))}, state, params)
-    >>> float(params["w"][0, 0])
-    0.5
-  """
-  offloaded = _OFFLOADED.get(getattr(tx, "update", None))
-  if offloaded is None:
-    raise TypeError(
-      "update_and_apply needs a transformation returned by oo.offload (its update applies the "
-      "updates group by group). For optax.chain(clip, oo.offload(...)), clip the gradients first: "
-      "grads, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState()); then call "
-      "oo.update_and_apply(offloaded, grads, state, params)."
-    )
-  return offloaded.run(grads, state, params, extra_args, apply=True)
 
 
 def _mismatch_message(known: setup_lib.Setup, paths: Sequence[str], avals) -> str:

@@ -178,9 +178,11 @@ class _Run:
     apply,
     grad_transform=None,
     row_offset=None,
+    grad_dtypes=None,
   ):
     self.inner, self.layout, self.spec = inner, layout, spec
     self.grad_transform = grad_transform
+    self.grad_dtypes = grad_dtypes
     self.row_offset = row_offset
     self.grads, self.params, self.shared_in = grads, params, shared
     self.arrays: dict[Key, Any] = dict(arrays)
@@ -337,6 +339,8 @@ class _Run:
         grads[i] = _take(bufs[(n, GRAD)], local, ndim)
       else:
         grads[i] = _take(self.grad_source(i), box, ndim)
+      if self.grad_dtypes is not None:
+        grads[i] = grads[i].astype(self.grad_dtypes[i])
       if self.grad_transform is not None:
         grads[i] = self.grad_transform(grads[i])
       if (n, PARAM) in bufs:
@@ -404,6 +408,7 @@ def run(
   apply: bool = False,
   grad_transform: Any = None,
   row_offset: Any = None,
+  grad_dtypes: Sequence[Any] | None = None,
 ) -> tuple[list[Any], list[Any], list[Any], Any]:
   """Runs the inner update group by group.
 
@@ -430,6 +435,9 @@ def run(
       along their leading axis, and the update is of their rows from this one on (a block of
       layers of a stack, updated inside the backward pass); those rows are read and written in
       place.
+    grad_dtypes: None, or per leaf the dtype every chunk of its gradients is cast to before
+      `grad_transform` (accumulated float32 gradients cast back to the gradients' dtype, as
+      ``optax.MultiSteps`` does).
 
   Returns:
     (update leaves, or new param leaves with `apply`; new shared leaves; new per-leaf parts; new
@@ -457,6 +465,7 @@ def run(
     apply,
     grad_transform,
     row_offset,
+    grad_dtypes,
   )
   if placement != "host":
     r.stream_host_params()
