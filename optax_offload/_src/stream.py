@@ -486,7 +486,7 @@ def run(
   return [r.updates.get(i) for i in range(layout.num_leaves)], new_shared, per_leaf, new_generation
 
 
-def _run_streamed(r: _Run, nvme, token, on_device: bool):
+def _run_streamed(r: _Run, nvme, token, on_device: bool, loop: bool = True):
   units = r.spec.units
   space_in = DEVICE if on_device else None
   staged = on_device and len(units) > 1
@@ -511,9 +511,19 @@ def _run_streamed(r: _Run, nvme, token, on_device: bool):
       token = nvme.put(k, token, nvme_parts)
     return token
 
+  loops = _loop_runs(r, nvme) if staged and loop else {}
   bufs, token = fetch(0, token)
   previous = None  # (k, bufs) of the group whose new state has not left yet
-  for k in range(len(units)):
+  k = 0
+  while k < len(units):
+    if k in loops:
+      # Groups k .. end-1 in pairs in one loop; it leaves them as the unrolled ones would: the
+      # last one computed and not sent (`previous`), the next one arrived (`bufs`).
+      end = loops[k]
+      bufs, prev_bufs, token = _loop(r, k, end, bufs, previous[1], token)
+      previous = (end - 1, prev_bufs)
+      k = end
+      continue
     if staged:
       # Stage boundary: group k's state has arrived and group k-1 is computed.
       sources = (
@@ -566,7 +576,158 @@ def _run_streamed(r: _Run, nvme, token, on_device: bool):
     previous = (k, bufs)
     if k + 1 < len(units):
       bufs, token = fetch(k + 1, token)
+    k += 1
   return send(previous[0], previous[1], token)
+
+
+LOOP_MIN_GROUPS = 6
+"""Fewest consecutive equal row slices of one leaf that the update runs in a loop (the first and
+the last of them, and an odd one, stay unrolled around the loop's pairs)."""
+
+
+def _loopable(r: _Run, nvme, k: int) -> Piece | None:
+  """Group k's piece when the group can be one iteration of a loop over row slices: one row slice
+  of a leaf whose state is all in host memory and shares the param's rows (NVMe-tier groups, and
+  the update of a block of rows at `row_offset`, stay unrolled)."""
+  unit = r.spec.units[k]
+  if len(unit) != 1 or unit[0].whole or r.row_offset is not None:
+    return None
+  if nvme is not None and k in nvme.groups:
+    return None
+  i = unit[0].leaf
+  if not all(t is Tier.HOST for t in r.spec.array_tiers[i]) or not all(r.spec.dims[i]):
+    return None
+  return unit[0]
+
+
+def _loop_runs(r: _Run, nvme) -> dict[int, int]:
+  """``first -> end`` of each range of groups the update runs in one loop, in pairs: the groups
+  between the first and the last of a run of equal consecutive row slices of one leaf (same rows,
+  same chunks), leaving an odd one out after the loop."""
+  units, out, k = r.spec.units, {}, 0
+  while k < len(units):
+    first = _loopable(r, nvme, k)
+    end = k + 1
+    while first is not None and end < len(units):
+      piece = _loopable(r, nvme, end)
+      prev = units[end - 1][0]
+      if (
+        piece is None
+        or piece.leaf != first.leaf
+        or piece.start != prev.stop
+        or piece.stop - piece.start != first.stop - first.start
+        or r.chunks(end) != r.chunks(k)
+      ):
+        break
+      end += 1
+    pairs = (end - k - 2) // 2
+    if end - k >= LOOP_MIN_GROUPS and pairs >= 1:
+      out[k + 1] = k + 1 + 2 * pairs
+    k = end
+  return out
+
+
+def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
+  """Groups ``first .. end-1`` (equal row slices of one leaf, an even number of them) in a
+  `lax.fori_loop` of two groups an iteration, as the unrolled stages run them: a group computes in
+  its chunks while the previous group's new state leaves (dynamic_update_slice into the host
+  arrays, in place) and then the next group's arrives (a dynamic_slice of them). Two groups an
+  iteration so that their buffers alternate in the loop carry instead of swapping places (XLA
+  would copy them).
+
+  Args:
+    r: the run; its host arrays and the leaf's updates are read and written.
+    first, end: the groups; `first` has arrived (`bufs`), and `first - 1` (a slice of the same
+      leaf) is computed and has not left (`prev_bufs`).
+    token: the run's token (through the barriers).
+
+  Returns:
+    (group `end`'s arrived buffers, group `end - 1`'s computed ones, token).
+  """
+  (piece,) = r.spec.units[first]
+  i, size = piece.leaf, piece.stop - piece.start
+  base = piece.start - first * size  # group k's rows start at base + k * size
+  moving = r.moving.get(i, [])
+  keys = r.spec.offloaded(i) + moving
+  sent = r.spec.offloaded(i) + ([PARAM] if PARAM in moving else [])
+  chunks = r.chunks(first)
+  phases = chunks[0][1]
+  gate = (phases - 1) // 2 if phases > 1 else -1
+  local_spec = dataclasses.replace(r.spec, units=((Piece(i),),), chunks=(r.spec.chunks[first],))
+  carries_updates = PARAM not in moving
+
+  def rows(k):
+    return base + k * size
+
+  def stage(k, cur, prev, host, upd, token):
+    """Group k (traced): `cur` arrived, `prev` (group k-1) computed; as `_run_streamed`'s stage."""
+    cur, prev, host, upd, token = lax.optimization_barrier((cur, prev, host, upd, token))
+    host = dict(host)
+    for j in sent:
+      x = memory.to_space(prev[j], HOST)
+      host[j] = lax.dynamic_update_slice_in_dim(host[j], x, rows(k - 1), 0)
+    start = rows(k)
+    lbufs = {(0, j): cur[j] for j in keys}
+    grads = {i: cur[GRAD]} if GRAD in moving else None
+    if grads is None:
+      source = r.grads[i]
+      if not r.apply and upd is not None and jnp.result_type(upd) == jnp.result_type(source):
+        source = upd  # the updates are written in place of the gradients
+      grads = {i: lax.dynamic_slice_in_dim(source, start, size, 0)}
+    params = None
+    if PARAM in moving:
+      params = {i: cur[PARAM]}
+    elif r.params is not None:
+      params = {i: lax.dynamic_slice_in_dim(upd if r.apply else r.params[i], start, size, 0)}
+    local = _Run(
+      r.inner,
+      r.layout,
+      local_spec,
+      grads,
+      params,
+      r.shared_in,
+      {},
+      r.treedefs,
+      {i: size},
+      r.extra_args,
+      r.apply,
+      r.grad_transform,
+    )
+    for q in range(-1, phases):
+      if q >= 0:
+        local.compute(0, q, lbufs)
+      if q == phases - 1 or (q == -1 and gate != -1):
+        continue
+      gated = host if q == gate else {}
+      lbufs, done, gated, token = lax.optimization_barrier((lbufs, local.updates, gated, token))
+      local.updates.update(done)
+      host.update(gated)
+    if carries_updates:
+      upd = lax.dynamic_update_slice_in_dim(upd, local.updates[i].astype(upd.dtype), start, 0)
+    nxt = {
+      j: memory.to_space(lax.dynamic_slice_in_dim(host[j], rows(k + 1), size, 0), DEVICE)
+      for j in keys
+    }
+    return nxt, {j: lbufs[(0, j)] for j in keys}, host, upd, token
+
+  def body(p, carry):
+    a, b, host, upd, token = carry
+    k = first + 2 * p
+    b, a, host, upd, token = stage(k, a, b, host, upd, token)  # a computed, b the next arrived
+    a, b, host, upd, token = stage(k + 1, b, a, host, upd, token)
+    return a, b, host, upd, token
+
+  host = {j: r.arrays[(i, j)] for j in keys}
+  upd = r.updates.get(i) if carries_updates else None
+  cur = {j: bufs[(0, j)] for j in keys}
+  prev = {j: prev_bufs[(0, j)] for j in keys}
+  cur, prev, host, upd, token = lax.fori_loop(
+    0, (end - first) // 2, body, (cur, prev, host, upd, token)
+  )
+  r.arrays.update({(i, j): x for j, x in host.items()})
+  if carries_updates:
+    r.updates[i] = upd
+  return {(0, j): x for j, x in cur.items()}, {(0, j): x for j, x in prev.items()}, token
 
 
 def _run_on_host(r: _Run, nvme, token):
