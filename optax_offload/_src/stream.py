@@ -122,6 +122,25 @@ def _write(x: jax.Array, value: jax.Array, box: Box, depth: int) -> jax.Array:
   return lax.dynamic_update_slice(x, value.astype(x.dtype), starts)
 
 
+def _take_at(x: jax.Array, box: Box, depth: int, shift) -> jax.Array:
+  """`_take`, the box's rows moved by `shift` (None, or a traced row: a dynamic slice)."""
+  if shift is None:
+    return _take(x, box, depth)
+  box = box[: min(depth, len(box))]
+  starts = [box[0][0] + shift] + [a for a, _ in box[1:]] + [0] * (x.ndim - len(box))
+  sizes = [b - a for a, b in box] + list(x.shape[len(box) :])
+  return lax.dynamic_slice(x, starts, sizes)
+
+
+def _write_at(x: jax.Array, value: jax.Array, box: Box, depth: int, shift) -> jax.Array:
+  """`_write`, the box's rows moved by `shift` (None, or a traced row)."""
+  if shift is None:
+    return _write(x, value, box, depth)
+  box = box[: min(depth, len(box))]
+  starts = [box[0][0] + shift] + [a for a, _ in box[1:]] + [0] * (x.ndim - len(box))
+  return lax.dynamic_update_slice(x, value.astype(x.dtype), starts)
+
+
 def _local(box: Box, start: int) -> Box:
   """A leaf's box in the coordinates of a piece starting at row `start`."""
   return ((box[0][0] - start, box[0][1] - start),) + box[1:]
@@ -182,6 +201,9 @@ class _Run:
     self.inner, self.layout, self.spec = inner, layout, spec
     self.grad_transform = grad_transform
     self.row_offset = row_offset
+    # A traced row, in `_loop`: the pieces' rows of the gradients, params and updates start there
+    # (their rows 0.. in the pieces' own coordinates, as the fetched state's are).
+    self.row_shift = None
     self.grads, self.params, self.shared_in = grads, params, shared
     self.arrays: dict[Key, Any] = dict(arrays)
     self.treedefs, self.n_rows, self.extra_args = treedefs, n_rows, extra_args
@@ -288,7 +310,7 @@ class _Run:
 
   def put_update(self, i: int, u: jax.Array, box: Box, whole: bool) -> None:
     if self.apply:  # optax.apply_updates, on the chunk
-      p = self.params[i] if whole else _take(self.param_source(i), box, len(box))
+      p = self.params[i] if whole else _take_at(self.param_source(i), box, len(box), self.row_shift)
       u = _applied(p, u)
     if whole:
       self.updates[i] = u
@@ -298,7 +320,7 @@ class _Run:
       base = self.params[i] if self.apply else self.grads[i]
       if jnp.result_type(base) != jnp.result_type(u):
         base = jnp.zeros(jnp.shape(base), jnp.result_type(u))
-    self.updates[i] = _write(base, u, box, len(box))
+    self.updates[i] = _write_at(base, u, box, len(box), self.row_shift)
 
   def chunks(self, k: int) -> tuple[tuple[int, int], ...]:
     """``(axis, count)`` of group k's pieces: the spec's when the updates are applied here, else
@@ -336,13 +358,13 @@ class _Run:
       if (n, GRAD) in bufs:
         grads[i] = _take(bufs[(n, GRAD)], local, ndim)
       else:
-        grads[i] = _take(self.grad_source(i), box, ndim)
+        grads[i] = _take_at(self.grad_source(i), box, ndim, self.row_shift)
       if self.grad_transform is not None:
         grads[i] = self.grad_transform(grads[i])
       if (n, PARAM) in bufs:
         params[i] = _take(bufs[(n, PARAM)], local, ndim)
       elif self.params is not None:
-        params[i] = _take(self.param_source(i), box, ndim)
+        params[i] = _take_at(self.param_source(i), box, ndim, self.row_shift)
       views = []
       for j, tier in enumerate(self.spec.array_tiers[i]):
         depth = self.spec.dims[i][j]
@@ -666,25 +688,13 @@ def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
     for j in sent:
       x = memory.to_space(prev[j], HOST)
       host[j] = lax.dynamic_update_slice_in_dim(host[j], x, rows(k - 1), 0)
-    start = rows(k)
     lbufs = {(0, j): cur[j] for j in keys}
-    grads = {i: cur[GRAD]} if GRAD in moving else None
-    if grads is None:
-      source = r.grads[i]
-      if not r.apply and upd is not None and jnp.result_type(upd) == jnp.result_type(source):
-        source = upd  # the updates are written in place of the gradients
-      grads = {i: lax.dynamic_slice_in_dim(source, start, size, 0)}
-    params = None
-    if PARAM in moving:
-      params = {i: cur[PARAM]}
-    elif r.params is not None:
-      params = {i: lax.dynamic_slice_in_dim(upd if r.apply else r.params[i], start, size, 0)}
     local = _Run(
       r.inner,
       r.layout,
       local_spec,
-      grads,
-      params,
+      {i: r.grads[i]},
+      None if r.params is None else {i: r.params[i]},
       r.shared_in,
       {},
       r.treedefs,
@@ -693,6 +703,9 @@ def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
       r.apply,
       r.grad_transform,
     )
+    local.row_shift = rows(k)
+    if carries_updates:
+      local.updates[i] = upd
     for q in range(-1, phases):
       if q >= 0:
         local.compute(0, q, lbufs)
@@ -703,7 +716,7 @@ def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
       local.updates.update(done)
       host.update(gated)
     if carries_updates:
-      upd = lax.dynamic_update_slice_in_dim(upd, local.updates[i].astype(upd.dtype), start, 0)
+      upd = local.updates[i]
     nxt = {
       j: memory.to_space(lax.dynamic_slice_in_dim(host[j], rows(k + 1), size, 0), DEVICE)
       for j in keys
