@@ -508,7 +508,7 @@ def run(
   return [r.updates.get(i) for i in range(layout.num_leaves)], new_shared, per_leaf, new_generation
 
 
-def _run_streamed(r: _Run, nvme, token, on_device: bool, loop: bool = True):
+def _run_streamed(r: _Run, nvme, token, on_device: bool):
   units = r.spec.units
   space_in = DEVICE if on_device else None
   staged = on_device and len(units) > 1
@@ -533,7 +533,11 @@ def _run_streamed(r: _Run, nvme, token, on_device: bool, loop: bool = True):
       token = nvme.put(k, token, nvme_parts)
     return token
 
-  loops = _loop_runs(r, nvme) if staged and loop else {}
+  # Equal row slices of one leaf run in loops under a trace (not the update of a block of rows in
+  # the backward pass, whose few groups stay unrolled). Eagerly, unrolled: a loop's body would be
+  # compiled and fused where the eager update runs op by op (other bits; lion's state differed).
+  traced = any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(r.grads))
+  loops = loop_runs(r.spec, r.chunks) if staged and traced and r.row_offset is None else {}
   bufs, token = fetch(0, token)
   previous = None  # (k, bufs) of the group whose new state has not left yet
   k = 0
@@ -607,38 +611,49 @@ LOOP_MIN_GROUPS = 6
 the last of them, and an odd one, stay unrolled around the loop's pairs)."""
 
 
-def _loopable(r: _Run, nvme, k: int) -> Piece | None:
+def _loopable(spec: StreamSpec, k: int) -> Piece | None:
   """Group k's piece when the group can be one iteration of a loop over row slices: one row slice
-  of a leaf whose state is all in host memory and shares the param's rows (NVMe-tier groups, and
-  the update of a block of rows at `row_offset`, stay unrolled)."""
-  unit = r.spec.units[k]
-  if len(unit) != 1 or unit[0].whole or r.row_offset is not None:
-    return None
-  if nvme is not None and k in nvme.groups:
+  of a leaf whose state is all in host memory and shares the param's rows (NVMe-tier groups stay
+  unrolled: the tier's callbacks take a static group)."""
+  unit = spec.units[k]
+  if len(unit) != 1 or unit[0].whole:
     return None
   i = unit[0].leaf
-  if not all(t is Tier.HOST for t in r.spec.array_tiers[i]) or not all(r.spec.dims[i]):
+  if not all(t is Tier.HOST for t in spec.array_tiers[i]) or not all(spec.dims[i]):
     return None
   return unit[0]
 
 
-def _loop_runs(r: _Run, nvme) -> dict[int, int]:
-  """``first -> end`` of each range of groups the update runs in one loop, in pairs: the groups
-  between the first and the last of a run of equal consecutive row slices of one leaf (same rows,
-  same chunks), leaving an odd one out after the loop."""
-  units, out, k = r.spec.units, {}, 0
+def loop_runs(spec: StreamSpec, chunks=None) -> dict[int, int]:
+  """``first -> end`` of each range of groups the device update runs in one loop, two groups an
+  iteration: the groups between the first and the last of a run of at least `LOOP_MIN_GROUPS`
+  equal consecutive row slices of one leaf (same rows, same chunks), less an odd one.
+
+  Args:
+    spec: the stream spec.
+    chunks: ``k -> `` group k's chunks as the update computes them (default: the spec's).
+
+  Examples:
+    >>> from optax_offload._src.plan import Piece, Tier
+    >>> units = tuple((Piece(0, a, a + 2),) for a in range(0, 20, 2)) + ((Piece(0, 20, 21),),)
+    >>> spec = StreamSpec(units, ((Tier.HOST,),), ((1,),), (((0, 2),),) * 11)
+    >>> loop_runs(spec)  # groups 1 to 8 in 4 iterations; 0, 9 and the remainder 10 unrolled
+    {1: 9}
+  """
+  chunks = chunks or (lambda k: spec.chunks[k])
+  units, out, k = spec.units, {}, 0
   while k < len(units):
-    first = _loopable(r, nvme, k)
+    first = _loopable(spec, k)
     end = k + 1
     while first is not None and end < len(units):
-      piece = _loopable(r, nvme, end)
+      piece = _loopable(spec, end)
       prev = units[end - 1][0]
       if (
         piece is None
         or piece.leaf != first.leaf
         or piece.start != prev.stop
         or piece.stop - piece.start != first.stop - first.start
-        or r.chunks(end) != r.chunks(k)
+        or chunks(end) != chunks(k)
       ):
         break
       end += 1
@@ -647,6 +662,12 @@ def _loop_runs(r: _Run, nvme) -> dict[int, int]:
       out[k + 1] = k + 1 + 2 * pairs
     k = end
   return out
+
+
+def unrolled_groups(spec: StreamSpec) -> int:
+  """Groups of the device update that are not in a loop (`loop_runs`): what the program's size
+  grows with."""
+  return len(spec.units) - sum(end - first for first, end in loop_runs(spec).items())
 
 
 def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
