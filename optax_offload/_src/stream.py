@@ -20,6 +20,10 @@ flight while some update computes. XLA:GPU keeps at most two copies in flight: w
 computation per group only half of a group's copies (two in, two out for Adam) could overlap
 compute, hence at least two chunks per group.
 
+Under a trace, a run of equal consecutive row slices of one leaf (`loop_runs`) is one
+`lax.fori_loop` of two of those stages an iteration, the slice's row traced (`_loop`): the program
+does not grow with the number of slices (XLA:GPU's compile time grew faster than it).
+
 Params and gradients that live in host memory (weights offloaded too, as `offloaded_scan` leaves
 them) travel with their leaf's state: their slices arrive with the group, and with `apply` the new
 params are written into the group's param buffer and leave with its state
