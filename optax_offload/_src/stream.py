@@ -208,6 +208,9 @@ class _Run:
     # A traced row, in `_loop`: the pieces' rows of the gradients, params and updates start there
     # (their rows 0.. in the pieces' own coordinates, as the fetched state's are).
     self.row_shift = None
+    # In `_loop`: the pieces' rows of the gradients, cut out before the chunks (a buffer of the
+    # slice's rows, read as the unrolled chunks read the gradients).
+    self.grad_rows = None
     self.grads, self.params, self.shared_in = grads, params, shared
     self.arrays: dict[Key, Any] = dict(arrays)
     self.treedefs, self.n_rows, self.extra_args = treedefs, n_rows, extra_args
@@ -362,7 +365,11 @@ class _Run:
       if (n, GRAD) in bufs:
         grads[i] = _take(bufs[(n, GRAD)], local, ndim)
       else:
-        grads[i] = _take_at(self.grad_source(i), box, ndim, self.row_shift)
+        source = self.grad_source(i)
+        if self.grad_rows is not None and source is self.grads[i]:
+          grads[i] = _take(self.grad_rows, box, ndim)
+        else:
+          grads[i] = _take_at(source, box, ndim, self.row_shift)
       if self.grad_transform is not None:
         grads[i] = self.grad_transform(grads[i])
       if (n, PARAM) in bufs:
@@ -729,6 +736,10 @@ def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
       r.grad_transform,
     )
     local.row_shift = rows(k)
+    if GRAD not in moving:
+      local.grad_rows = lax.optimization_barrier(
+        lax.dynamic_slice_in_dim(r.grads[i], rows(k), size, 0)
+      )
     if carries_updates:
       local.updates[i] = upd
     for q in range(-1, phases):
