@@ -119,6 +119,16 @@ def row_chunks(unit, leaves, array_tiers, n_units: int) -> tuple[tuple[int, int]
   return _chunks(unit, leaves, array_tiers, [0] * len(leaves), n_units)
 
 
+def _one_device(sharding: Any) -> bool:
+  """Whether a leaf's sharding places it on one device (None: unknown, one device)."""
+  if sharding is None:
+    return True
+  try:
+    return len(sharding.device_set) == 1
+  except Exception:  # an abstract mesh names no devices
+    return getattr(getattr(sharding, "mesh", None), "size", 2) == 1
+
+
 def make_setup(
   inner: optax.GradientTransformationExtraArgs,
   treedef: Any,
@@ -157,6 +167,7 @@ def make_setup(
     array_tiers,
     tp.dims,
     tuple(_chunks(u, leaves, array_tiers, cols, len(the_plan.units)) for u in the_plan.units),
+    loop=all(_one_device(s) for s in shardings),
   )
   tier = None
   if any(plan_lib.Tier.NVME in ts for ts in array_tiers):
