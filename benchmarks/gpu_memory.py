@@ -130,7 +130,7 @@ def row(name: str, cfg: llama.Config, variant: str, target: str, window, usable:
     out["estimate_device_bytes"] = est.device_bytes
     out["estimate_over_compiled"] = est.device_bytes / memory.device
     for direction in ("to_device", "to_host"):
-      hit, total = program.schedule.overlap(direction)
+      hit, total = program.schedule.overlap(direction, per_execution=True)
       out[f"copies_{direction}"] = total
       out[f"copies_{direction}_overlapped"] = hit
   print(

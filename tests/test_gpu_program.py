@@ -43,11 +43,17 @@ def compile_step(tx, params, *, apply: bool = True, target: str = "h100_80gb"):
 
 
 def copies(schedule, direction: str) -> tuple[int, int, int]:
-  """(copies in flight during an update, all copies, bytes) in one direction; a schedule in which
-  the reader finds no copies fails here, whatever else the test checks."""
-  hit, total = schedule.overlap(direction)
+  """(copies in flight during an update, all copies, bytes) in one direction, a copy in a loop
+  body once per iteration; a schedule in which the reader finds no copies fails here, whatever
+  else the test checks."""
+  hit, total = schedule.overlap(direction, per_execution=True)
   assert total > 0, f"no {direction} copies found in the schedule"
-  return hit, total, sum(c.nbytes for c in schedule.copies if c.direction == direction)
+  nbytes = sum(
+    c.nbytes * schedule.executions(c.computation)
+    for c in schedule.copies
+    if c.direction == direction
+  )
+  return hit, total, nbytes
 
 
 def assert_step_copies(schedule, counts: dict) -> None:

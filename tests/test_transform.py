@@ -535,12 +535,18 @@ def test_params_in_host_memory_need_update_and_apply():
     jax.jit(lambda p, s: oo.update_and_apply(host_tx, p, s, p))(params, host_tx.init(params))
 
 
-def test_many_groups_warn_about_compile_time(caplog):
-  params = {"layers": jnp.zeros((100, 64, 64))}  # 100 layers, a window of about one layer's state
-  tx = oo.offload(optax.sgd(1e-2, momentum=0.9), window_bytes=int(2.25 * 64 * 64 * 4), min_size=256)
+def test_many_unrolled_groups_warn_about_compile_time(caplog):
+  # A window of about one layer's state. 100 stacked layers: 100 row slices, 98 of them in a
+  # loop, no warning; 100 separate leaves: 100 unrolled groups, a warning.
+  window = int(2.25 * 64 * 64 * 4)
+  tx = oo.offload(optax.sgd(1e-2, momentum=0.9), window_bytes=window, min_size=256)
   with caplog.at_level("WARNING", logger="optax_offload._src.offload"):
-    tx.init(params)
-  assert "100 groups" in caplog.text and "raise window_bytes" in caplog.text
+    tx.init({"layers": jnp.zeros((100, 64, 64))})
+  assert "groups unrolled" not in caplog.text
+  tx = oo.offload(optax.sgd(1e-2, momentum=0.9), window_bytes=window, min_size=256)
+  with caplog.at_level("WARNING", logger="optax_offload._src.offload"):
+    tx.init({f"w{i:03d}": jnp.zeros((64, 64)) for i in range(100)})
+  assert "100 of 100 groups unrolled" in caplog.text and "raise window_bytes" in caplog.text
 
 
 def test_uncommitted_params_on_an_accelerator_warn_once(monkeypatch):

@@ -301,6 +301,12 @@ class GpuProgram:
   def schedule(self) -> Schedule:
     return parse_schedule(self.hlo)
 
+  @property
+  def instruction_count(self) -> int:
+    """Instructions of the compiled module, in every computation (fusion bodies and loop bodies
+    once each): the program's size, which XLA's scheduling time grows with."""
+    return sum(len(instrs) for instrs in self.schedule.computations.values())
+
   def timeline(
     self, hardware: step_time.Hardware | None = None, **kwargs: Any
   ) -> step_time.Timeline:

@@ -186,7 +186,8 @@ def make_plan(
     * groups hold at most ``window_bytes / WINDOW_SLOTS`` of offloaded state each, so that the
       group being updated, the one in transit and the update's temporaries fit in the window
       together. An offloaded leaf larger than that whose `LeafInfo.rows` allows it is split into
-      near-equal row slices, each a group of its own, whatever its tier (host or NVMe: the groups,
+      equal row slices (of the most rows that fit; the remainder, if any, last), each a group of
+      its own, whatever its tier (host or NVMe: the groups,
       and so the results, do not depend on the tier); any other leaf larger than that is a group
       of its own (and exceeds the window). Leaves above a quarter of that are groups of their own;
       smaller ones are grouped, in leaf order, up to a quarter of it (`GROUP_SHARE`).
@@ -245,7 +246,7 @@ def make_plan(
 
 
 def _pieces(leaves: Sequence[LeafInfo], tiers: Sequence[Tier], budget: int) -> list[Piece]:
-  """Each leaf whole, or in near-equal row slices of at most `budget` bytes when it can be split."""
+  """Each leaf whole, or in equal row slices (the remainder last) of at most `budget` bytes when it can be split."""
   pieces = []
   for i, (leaf, tier) in enumerate(zip(leaves, tiers)):
     nbytes = leaf.moving_bytes + (0 if tier is Tier.DEVICE else leaf.state_bytes)
@@ -264,7 +265,10 @@ def _pieces(leaves: Sequence[LeafInfo], tiers: Sequence[Tier], budget: int) -> l
     n = min(leaf.rows, -(-nbytes // budget))
     while n < leaf.rows and -(-nbytes * -(-leaf.rows // n) // leaf.rows) > budget:
       n += 1
-    bounds = [leaf.rows * k // n for k in range(n + 1)]
+    # Equal slices of the most rows that fit, the remainder last: the update runs the equal ones
+    # in one loop (`stream`), so the program does not grow with their number.
+    size = -(-leaf.rows // n)
+    bounds = list(range(0, leaf.rows, size)) + [leaf.rows]
     pieces.extend(Piece(i, a, b) for a, b in zip(bounds, bounds[1:]))
   return pieces
 

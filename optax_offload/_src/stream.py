@@ -20,6 +20,10 @@ flight while some update computes. XLA:GPU keeps at most two copies in flight: w
 computation per group only half of a group's copies (two in, two out for Adam) could overlap
 compute, hence at least two chunks per group.
 
+Under a trace, a run of equal consecutive row slices of one leaf (`loop_runs`) is one
+`lax.fori_loop` of two of those stages an iteration, the slice's row traced (`_loop`): the program
+does not grow with the number of slices (XLA:GPU's compile time grew faster than it).
+
 Params and gradients that live in host memory (weights offloaded too, as `offloaded_scan` leaves
 them) travel with their leaf's state: their slices arrive with the group, and with `apply` the new
 params are written into the group's param buffer and leave with its state
@@ -78,12 +82,16 @@ class StreamSpec:
       an array sharing none is passed whole.
     chunks: per group, per piece, ``(axis, count)``: its update (with `update_and_apply`) is
       computed in `count` chunks along `axis` (0: rows, 1: columns), each written in place.
+    loop: whether equal row slices may run in a loop (`loop_runs`). `make_setup` allows it for
+      params on one device: on a mesh of two CPU devices the loop's bits differed from the NVMe
+      tier's (unrolled) groups' (tests/test_nvme_tier.py's stale-state test), not yet explained.
   """
 
   units: tuple[tuple[Piece, ...], ...]
   array_tiers: tuple[tuple[Tier, ...], ...]
   dims: tuple[tuple[int, ...], ...]
   chunks: tuple[tuple[tuple[int, int], ...], ...]
+  loop: bool = True
 
   def offloaded(self, i: int) -> list[int]:
     """The arrays of leaf i's state part that live off the device between steps."""
@@ -119,6 +127,25 @@ def _write(x: jax.Array, value: jax.Array, box: Box, depth: int) -> jax.Array:
     return value
   box = box[: min(depth, len(box))]
   starts = [a for a, _ in box] + [0] * (x.ndim - len(box))
+  return lax.dynamic_update_slice(x, value.astype(x.dtype), starts)
+
+
+def _take_at(x: jax.Array, box: Box, depth: int, shift) -> jax.Array:
+  """`_take`, the box's rows moved by `shift` (None, or a traced row: a dynamic slice)."""
+  if shift is None:
+    return _take(x, box, depth)
+  box = box[: min(depth, len(box))]
+  starts = [box[0][0] + shift] + [a for a, _ in box[1:]] + [0] * (x.ndim - len(box))
+  sizes = [b - a for a, b in box] + list(x.shape[len(box) :])
+  return lax.dynamic_slice(x, starts, sizes)
+
+
+def _write_at(x: jax.Array, value: jax.Array, box: Box, depth: int, shift) -> jax.Array:
+  """`_write`, the box's rows moved by `shift` (None, or a traced row)."""
+  if shift is None:
+    return _write(x, value, box, depth)
+  box = box[: min(depth, len(box))]
+  starts = [box[0][0] + shift] + [a for a, _ in box[1:]] + [0] * (x.ndim - len(box))
   return lax.dynamic_update_slice(x, value.astype(x.dtype), starts)
 
 
@@ -184,6 +211,15 @@ class _Run:
     self.grad_transform = grad_transform
     self.grad_dtypes = grad_dtypes
     self.row_offset = row_offset
+    # A traced row, in `_loop`: the pieces' rows of the gradients, params and updates start there
+    # (their rows 0.. in the pieces' own coordinates, as the fetched state's are).
+    self.row_shift = None
+    # In `_loop`: the pieces' rows of the gradients, cut out before the chunks. On XLA:CPU a
+    # buffer of its own, read as the unrolled chunks read the gradients: read through a dynamic
+    # slice in each chunk, bf16 gradients gave mu and nu an ulp apart from the unrolled form's.
+    # Elsewhere (XLA:GPU) the cut fuses into the chunks (a buffer of its own cost 0.25 of the
+    # window in device temporaries).
+    self.grad_rows = None
     self.grads, self.params, self.shared_in = grads, params, shared
     self.arrays: dict[Key, Any] = dict(arrays)
     self.treedefs, self.n_rows, self.extra_args = treedefs, n_rows, extra_args
@@ -290,7 +326,7 @@ class _Run:
 
   def put_update(self, i: int, u: jax.Array, box: Box, whole: bool) -> None:
     if self.apply:  # optax.apply_updates, on the chunk
-      p = self.params[i] if whole else _take(self.param_source(i), box, len(box))
+      p = self.params[i] if whole else _take_at(self.param_source(i), box, len(box), self.row_shift)
       u = _applied(p, u)
     if whole:
       self.updates[i] = u
@@ -300,7 +336,7 @@ class _Run:
       base = self.params[i] if self.apply else self.grads[i]
       if jnp.result_type(base) != jnp.result_type(u):
         base = jnp.zeros(jnp.shape(base), jnp.result_type(u))
-    self.updates[i] = _write(base, u, box, len(box))
+    self.updates[i] = _write_at(base, u, box, len(box), self.row_shift)
 
   def chunks(self, k: int) -> tuple[tuple[int, int], ...]:
     """``(axis, count)`` of group k's pieces: the spec's when the updates are applied here, else
@@ -338,7 +374,11 @@ class _Run:
       if (n, GRAD) in bufs:
         grads[i] = _take(bufs[(n, GRAD)], local, ndim)
       else:
-        grads[i] = _take(self.grad_source(i), box, ndim)
+        source = self.grad_source(i)
+        if self.grad_rows is not None and source is self.grads[i]:
+          grads[i] = _take(self.grad_rows, box, ndim)
+        else:
+          grads[i] = _take_at(source, box, ndim, self.row_shift)
       if self.grad_dtypes is not None:
         grads[i] = grads[i].astype(self.grad_dtypes[i])
       if self.grad_transform is not None:
@@ -346,7 +386,7 @@ class _Run:
       if (n, PARAM) in bufs:
         params[i] = _take(bufs[(n, PARAM)], local, ndim)
       elif self.params is not None:
-        params[i] = _take(self.param_source(i), box, ndim)
+        params[i] = _take_at(self.param_source(i), box, ndim, self.row_shift)
       views = []
       for j, tier in enumerate(self.spec.array_tiers[i]):
         depth = self.spec.dims[i][j]
@@ -520,9 +560,23 @@ def _run_streamed(r: _Run, nvme, token, on_device: bool):
       token = nvme.put(k, token, nvme_parts)
     return token
 
+  # Equal row slices of one leaf run in loops under a trace (not the update of a block of rows in
+  # the backward pass, whose few groups stay unrolled). Eagerly, unrolled: a loop's body would be
+  # compiled and fused where the eager update runs op by op (other bits; lion's state differed).
+  traced = any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(r.grads))
+  loops = loop_runs(r.spec, r.chunks) if staged and traced and r.row_offset is None else {}
   bufs, token = fetch(0, token)
   previous = None  # (k, bufs) of the group whose new state has not left yet
-  for k in range(len(units)):
+  k = 0
+  while k < len(units):
+    if k in loops:
+      # Groups k .. end-1 in pairs in one loop; it leaves them as the unrolled ones would: the
+      # last one computed and not sent (`previous`), the next one arrived (`bufs`).
+      end = loops[k]
+      bufs, prev_bufs, token = _loop(r, k, end, bufs, previous[1], token)
+      previous = (end - 1, prev_bufs)
+      k = end
+      continue
     if staged:
       # Stage boundary: group k's state has arrived and group k-1 is computed.
       sources = (
@@ -575,7 +629,175 @@ def _run_streamed(r: _Run, nvme, token, on_device: bool):
     previous = (k, bufs)
     if k + 1 < len(units):
       bufs, token = fetch(k + 1, token)
+    k += 1
   return send(previous[0], previous[1], token)
+
+
+LOOP_MIN_GROUPS = 6
+"""Fewest consecutive equal row slices of one leaf that the update runs in a loop (the first and
+the last of them, and an odd one, stay unrolled around the loop's pairs)."""
+
+
+def _loopable(spec: StreamSpec, k: int) -> Piece | None:
+  """Group k's piece when the group can be one iteration of a loop over row slices: one row slice
+  of a leaf whose state is all in host memory and shares the param's rows (NVMe-tier groups stay
+  unrolled: the tier's callbacks take a static group)."""
+  unit = spec.units[k]
+  if len(unit) != 1 or unit[0].whole:
+    return None
+  i = unit[0].leaf
+  if not all(t is Tier.HOST for t in spec.array_tiers[i]) or not all(spec.dims[i]):
+    return None
+  return unit[0]
+
+
+def loop_runs(spec: StreamSpec, chunks=None) -> dict[int, int]:
+  """``first -> end`` of each range of groups the device update runs in one loop, two groups an
+  iteration: the groups between the first and the last of a run of at least `LOOP_MIN_GROUPS`
+  equal consecutive row slices of one leaf (same rows, same chunks), less an odd one.
+
+  Args:
+    spec: the stream spec.
+    chunks: ``k -> `` group k's chunks as the update computes them (default: the spec's).
+
+  Examples:
+    >>> from optax_offload._src.plan import Piece, Tier
+    >>> units = tuple((Piece(0, a, a + 2),) for a in range(0, 20, 2)) + ((Piece(0, 20, 21),),)
+    >>> spec = StreamSpec(units, ((Tier.HOST,),), ((1,),), (((0, 2),),) * 11)
+    >>> loop_runs(spec)  # groups 1 to 8 in 4 iterations; 0, 9 and the remainder 10 unrolled
+    {1: 9}
+  """
+  chunks = chunks or (lambda k: spec.chunks[k])
+  units, out, k = spec.units, {}, 0
+  if not spec.loop:
+    return out
+  while k < len(units):
+    first = _loopable(spec, k)
+    end = k + 1
+    while first is not None and end < len(units):
+      piece = _loopable(spec, end)
+      prev = units[end - 1][0]
+      if (
+        piece is None
+        or piece.leaf != first.leaf
+        or piece.start != prev.stop
+        or piece.stop - piece.start != first.stop - first.start
+        or chunks(end) != chunks(k)
+      ):
+        break
+      end += 1
+    pairs = (end - k - 2) // 2
+    if end - k >= LOOP_MIN_GROUPS and pairs >= 1:
+      out[k + 1] = k + 1 + 2 * pairs
+    k = end
+  return out
+
+
+def unrolled_groups(spec: StreamSpec) -> int:
+  """Groups of the device update that are not in a loop (`loop_runs`): what the program's size
+  grows with."""
+  return len(spec.units) - sum(end - first for first, end in loop_runs(spec).items())
+
+
+def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
+  """Groups ``first .. end-1`` (equal row slices of one leaf, an even number of them) in a
+  `lax.fori_loop` of two groups an iteration, as the unrolled stages run them: a group computes in
+  its chunks while the previous group's new state leaves (dynamic_update_slice into the host
+  arrays, in place) and then the next group's arrives (a dynamic_slice of them). Two groups an
+  iteration so that their buffers alternate in the loop carry instead of swapping places (XLA
+  would copy them).
+
+  Args:
+    r: the run; its host arrays and the leaf's updates are read and written.
+    first, end: the groups; `first` has arrived (`bufs`), and `first - 1` (a slice of the same
+      leaf) is computed and has not left (`prev_bufs`).
+    token: the run's token (through the barriers).
+
+  Returns:
+    (group `end`'s arrived buffers, group `end - 1`'s computed ones, token).
+  """
+  (piece,) = r.spec.units[first]
+  i, size = piece.leaf, piece.stop - piece.start
+  base = piece.start - first * size  # group k's rows start at base + k * size
+  moving = r.moving.get(i, [])
+  keys = r.spec.offloaded(i) + moving
+  sent = r.spec.offloaded(i) + ([PARAM] if PARAM in moving else [])
+  chunks = r.chunks(first)
+  phases = chunks[0][1]
+  gate = (phases - 1) // 2 if phases > 1 else -1
+  local_spec = dataclasses.replace(r.spec, units=((Piece(i),),), chunks=(r.spec.chunks[first],))
+  carries_updates = PARAM not in moving
+
+  def rows(k):
+    return base + k * size
+
+  def stage(k, cur, prev, host, upd, token):
+    """Group k (traced): `cur` arrived, `prev` (group k-1) computed; as `_run_streamed`'s stage."""
+    cur, prev, host, upd, token = lax.optimization_barrier((cur, prev, host, upd, token))
+    host = dict(host)
+    for j in sent:
+      x = memory.to_space(prev[j], HOST)
+      host[j] = lax.dynamic_update_slice_in_dim(host[j], x, rows(k - 1), 0)
+    lbufs = {(0, j): cur[j] for j in keys}
+    local = _Run(
+      r.inner,
+      r.layout,
+      local_spec,
+      {i: r.grads[i]},
+      None if r.params is None else {i: r.params[i]},
+      r.shared_in,
+      {},
+      r.treedefs,
+      {i: size},
+      r.extra_args,
+      r.apply,
+      r.grad_transform,
+    )
+    local.row_shift = rows(k)
+    if GRAD not in moving:
+      local.grad_rows = lax.platform_dependent(
+        r.grads[i],
+        rows(k),
+        cpu=lambda g, at: lax.optimization_barrier(lax.dynamic_slice_in_dim(g, at, size, 0)),
+        default=lambda g, at: lax.dynamic_slice_in_dim(g, at, size, 0),
+      )
+    if carries_updates:
+      local.updates[i] = upd
+    for q in range(-1, phases):
+      if q >= 0:
+        local.compute(0, q, lbufs)
+      if q == phases - 1 or (q == -1 and gate != -1):
+        continue
+      gated = host if q == gate else {}
+      lbufs, done, gated, token = lax.optimization_barrier((lbufs, local.updates, gated, token))
+      local.updates.update(done)
+      host.update(gated)
+    if carries_updates:
+      upd = local.updates[i]
+    nxt = {
+      j: memory.to_space(lax.dynamic_slice_in_dim(host[j], rows(k + 1), size, 0), DEVICE)
+      for j in keys
+    }
+    return nxt, {j: lbufs[(0, j)] for j in keys}, host, upd, token
+
+  def body(p, carry):
+    a, b, host, upd, token = carry
+    k = first + 2 * p
+    b, a, host, upd, token = stage(k, a, b, host, upd, token)  # a computed, b the next arrived
+    a, b, host, upd, token = stage(k + 1, b, a, host, upd, token)
+    return a, b, host, upd, token
+
+  host = {j: r.arrays[(i, j)] for j in keys}
+  upd = r.updates.get(i) if carries_updates else None
+  cur = {j: bufs[(0, j)] for j in keys}
+  prev = {j: prev_bufs[(0, j)] for j in keys}
+  cur, prev, host, upd, token = lax.fori_loop(
+    0, (end - first) // 2, body, (cur, prev, host, upd, token)
+  )
+  r.arrays.update({(i, j): x for j, x in host.items()})
+  if carries_updates:
+    r.updates[i] = upd
+  return {(0, j): x for j, x in cur.items()}, {(0, j): x for j, x in prev.items()}, token
 
 
 def _run_on_host(r: _Run, nvme, token):
