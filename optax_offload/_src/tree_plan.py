@@ -295,7 +295,7 @@ def plan_tree(
     >>> [tier.value for tier in t.plan.tiers], t.plan.bytes_per_tier["host"]  # b, w: mu and nu
     (['device', 'host'], 1048576)
     >>> [(p.leaf, p.start, p.stop) for unit in t.plan.units for p in unit]  # w in 3 row slices
-    [(0, None, None), (1, 0, 170), (1, 170, 341), (1, 341, 512)]
+    [(0, None, None), (1, 0, 171), (1, 171, 342), (1, 342, 512)]
   """
   derived = derive_leaves(
     inner,
