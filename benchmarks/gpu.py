@@ -66,9 +66,9 @@ _JAX_PLATFORMS = os.environ.get("JAX_PLATFORMS")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import optax_offload as oo  # noqa: E402
+from benchmarks import gpu_speed  # noqa: E402
 from benchmarks import llama  # noqa: E402
 from benchmarks._common import write_json  # noqa: E402
-from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
 from optax_offload._src import plan as plan_lib  # noqa: E402
 
 GiB = 1 << 30
@@ -343,10 +343,6 @@ def _named(device, memory_kind: str = "device"):
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=memory_kind)
 
 
-def _offload(window: int):
-  return oo.offload(optax.adamw(1e-4), master_dtype=jnp.float32, window_bytes=window)
-
-
 def build_variant(variant: str, cfg: llama.Config, sizes: Sizes, device):
   """Real params, state and tokens of `variant`, and its step (as `benchmarks.gpu_speed`)."""
   k = sizes.accumulate
@@ -355,11 +351,6 @@ def build_variant(variant: str, cfg: llama.Config, sizes: Sizes, device):
   params = init(cfg, jax.random.key(0), jnp.bfloat16)
   if variant in ("offload_all", "fused_all"):
     params = dict(params, layers=jax.device_put(params["layers"], _named(device, "pinned_host")))
-  streamed = variant in ("offload_all", "fused_all", "fused_state")
-
-  def loss(p, t):
-    return streamed_loss_fn(cfg, p, t) if streamed else llama.loss_fn(cfg, p, t)
-
   tokens = jax.device_put(
     jax.random.randint(
       jax.random.key(1), (k, sizes.micro_batch, sizes.seq + 1), 0, cfg.vocab, jnp.int32
@@ -369,51 +360,9 @@ def build_variant(variant: str, cfg: llama.Config, sizes: Sizes, device):
   if variant == "plain_bf16":
     tx = optax.adamw(1e-4, mu_dtype=jnp.float32)
   else:
-    tx = _offload(sizes.window)
+    tx = gpu_speed.offloaded_adamw(sizes.window)
   state = tx.init(params)
-
-  if variant.startswith("fused"):
-
-    def step(params, state, tokens):
-      batch = tokens if k > 1 else tokens[0]
-      value, params, state = oo.value_and_update(loss, tx, accumulate=k)(params, state, batch)
-      return params, state, value
-
-  elif variant == "offload_all":
-    if k != 1:
-      raise ValueError("offload_all runs one micro-batch per step")
-
-    def step(params, state, tokens):
-      value, grads = jax.value_and_grad(loss)(params, tokens[0])
-      params, state = oo.update_and_apply(tx, grads, state, params)
-      return params, state, value
-
-  else:
-
-    def step(params, state, tokens):
-      def grads_of(i):
-        return jax.value_and_grad(loss)(params, tokens[i])
-
-      if k == 1:
-        value, grads = grads_of(0)
-      else:
-
-        def body(i, carry):
-          total, acc = carry
-          value, g = grads_of(i)
-          return total + value, jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        total, acc = jax.lax.fori_loop(0, k, body, (jnp.zeros((), jnp.float32), zeros))
-        value = total / k
-        grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
-      if variant == "plain_bf16":
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-      else:
-        params, state = oo.update_and_apply(tx, grads, state, params)
-      return params, state, value
-
+  step = gpu_speed.variant_step(cfg, variant, tx, k)
   return step, params, state, tokens, tx
 
 

@@ -85,38 +85,28 @@ def _params(cfg: llama.Config, variant: str) -> dict:
   )
 
 
-def _offload(window: int):
+def offloaded_adamw(window: int):
+  """The offloaded optimizer every variant but plain_bf16 runs: AdamW, fp32 master weights."""
   return oo.offload(optax.adamw(1e-4), master_dtype=jnp.float32, window_bytes=window)
 
 
-def compile_variant(cfg, variant: str, target: str, micro_batch: int, k: int, window: int):
-  """The training step of `variant` for k micro-batches of `micro_batch` sequences, compiled."""
-  tokens = jax.ShapeDtypeStruct((k, micro_batch, SEQ + 1), jnp.int32, sharding=llama.DEVICE)
-  params = _params(cfg, variant)
+def variant_step(cfg: llama.Config, variant: str, tx, k: int):
+  """The training step of `variant` over k micro-batches: ``step(params, state, tokens)`` with
+  tokens of shape (k, micro_batch, seq + 1), returning (params, state, loss)."""
   streamed = variant in ("offload_all", "fused_all", "fused_state")
-  loss = (
-    (lambda p, t: streamed_loss_fn(cfg, p, t))
-    if streamed
-    else (lambda p, t: llama.loss_fn(cfg, p, t))
-  )
-  options = oo.STREAM_XLA_OPTIONS if variant != "plain_bf16" else None
-  trip = None
-  if variant == "plain_bf16":
-    tx = optax.adamw(1e-4, mu_dtype=jnp.float32)
-    state = jax.eval_shape(tx.init, params)
-  else:
-    tx = _offload(window)
-    state = oo.abstract_state(tx, params)
+
+  def loss(p, t):
+    return streamed_loss_fn(cfg, p, t) if streamed else llama.loss_fn(cfg, p, t)
 
   if variant.startswith("fused"):
-    trip = k - 2 if k > 2 else None
 
     def step(params, state, tokens):
       batch = tokens if k > 1 else tokens[0]  # accumulate=1 takes one micro-batch
       value, params, state = oo.value_and_update(loss, tx, accumulate=k)(params, state, batch)
       return params, state, value
 
-  elif variant == "offload_all":
+    return step
+  if variant == "offload_all":
     if k != 1:
       raise ValueError("offload_all runs one micro-batch per step")
 
@@ -125,32 +115,54 @@ def compile_variant(cfg, variant: str, target: str, micro_batch: int, k: int, wi
       params, state = oo.update_and_apply(tx, grads, state, params)
       return params, state, value
 
+    return step
+
+  def step(params, state, tokens):
+    def grads_of(i):
+      return jax.value_and_grad(loss)(params, tokens[i])
+
+    if k == 1:
+      value, grads = grads_of(0)
+    else:
+
+      def body(i, carry):
+        total, acc = carry
+        value, g = grads_of(i)
+        return total + value, jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
+
+      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+      total, acc = jax.lax.fori_loop(0, k, body, (jnp.zeros((), jnp.float32), zeros))
+      value = total / k
+      grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+    if variant == "plain_bf16":
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    else:
+      params, state = oo.update_and_apply(tx, grads, state, params)
+    return params, state, value
+
+  return step
+
+
+def compile_variant(cfg, variant: str, target: str, micro_batch: int, k: int, window: int):
+  """The training step of `variant` for k micro-batches of `micro_batch` sequences, compiled."""
+  tokens = jax.ShapeDtypeStruct((k, micro_batch, SEQ + 1), jnp.int32, sharding=llama.DEVICE)
+  params = _params(cfg, variant)
+  options = oo.STREAM_XLA_OPTIONS if variant != "plain_bf16" else None
+  if variant == "plain_bf16":
+    tx = optax.adamw(1e-4, mu_dtype=jnp.float32)
+    state = jax.eval_shape(tx.init, params)
+  else:
+    tx = offloaded_adamw(window)
+    state = oo.abstract_state(tx, params)
+  step = variant_step(cfg, variant, tx, k)
+  # The micro-batch loop whose trip count `rows_for` rewrites (None: no such loop).
+  if variant.startswith("fused"):
+    trip = k - 2 if k > 2 else None
+  elif variant == "offload_all":
+    trip = None
   else:
     trip = k if k > 1 else None
-
-    def step(params, state, tokens):
-      def grads_of(i):
-        return jax.value_and_grad(loss)(params, tokens[i])
-
-      if k == 1:
-        value, grads = grads_of(0)
-      else:
-
-        def body(i, carry):
-          total, acc = carry
-          value, g = grads_of(i)
-          return total + value, jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        total, acc = jax.lax.fori_loop(0, k, body, (jnp.zeros((), jnp.float32), zeros))
-        value = total / k
-        grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
-      if variant == "plain_bf16":
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-      else:
-        params, state = oo.update_and_apply(tx, grads, state, params)
-      return params, state, value
 
   t0 = time.perf_counter()
   program = oo.compile_for_gpu(

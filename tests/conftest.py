@@ -67,16 +67,8 @@ def train(
   With `apply`, each step is ``oo.update_and_apply`` instead of ``tx.update`` and
   ``optax.apply_updates``.
   """
-  import optax_offload as oo
-
   state = tx.init(params)
-
-  def step(p, s, g):
-    if apply:
-      return oo.update_and_apply(tx, g, s, p)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
+  step = update_step(tx, apply)
   if jit:
     step = jax.jit(step, donate_argnums=(0, 1) if donate else ())
   if donate:  # the caller's params stay usable
@@ -84,6 +76,20 @@ def train(
   for t in range(steps):
     params, state = step(params, state, make_grads(params, t, grads_seed))
   return params, state
+
+
+def update_step(tx, apply: bool):
+  """``step(params, state, grads) -> (params, state)``: ``oo.update_and_apply`` with `apply`, else
+  ``tx.update`` and ``optax.apply_updates``."""
+  import optax_offload as oo
+
+  def step(p, s, g):
+    if apply:
+      return oo.update_and_apply(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  return step
 
 
 def bits_equal(a, b) -> bool:

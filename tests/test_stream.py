@@ -8,6 +8,7 @@ import optax
 import pytest
 from conftest import bits_equal
 from conftest import make_grads
+from conftest import update_step
 from helpers import gpu_compile_or_skip
 
 import optax_offload as oo
@@ -35,13 +36,7 @@ def _train(make, *, loop: bool, apply: bool, host_params: bool, monkeypatch, dty
   loop_runs = stream.loop_runs
   monkeypatch.setattr(stream, "loop_runs", lambda *a: runs.append(loop_runs(*a)) or runs[-1])
 
-  def step(p, s, g):
-    if apply:
-      return oo.update_and_apply(tx, g, s, p)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  step = jax.jit(step, donate_argnums=(0, 1))
+  step = jax.jit(update_step(tx, apply), donate_argnums=(0, 1))
   for t in range(3):
     g = make_grads(params, t)
     p, state = step(p, state, {"layers": place(g["layers"]), "head": g["head"]})

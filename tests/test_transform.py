@@ -13,6 +13,7 @@ from conftest import bits_equal
 from conftest import make_grads
 from conftest import make_params
 from conftest import train
+from conftest import update_step
 from helpers import OPTIMIZERS
 
 import optax_offload as oo
@@ -417,13 +418,7 @@ def test_a_jitted_step_compiles_once_with_committed_params(apply):
   params = jax.device_put(make_params(), jax.devices()[0])
   tx = oo.offload(optax.adamw(1e-2), window_bytes=SMALL_WINDOW)
 
-  def step(p, s, g):
-    if apply:
-      return oo.update_and_apply(tx, g, s, p)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  step = jax.jit(step, donate_argnums=(0, 1))
+  step = jax.jit(update_step(tx, apply), donate_argnums=(0, 1))
   state = tx.init(params)
   for t in range(3):
     params, state = step(params, state, make_grads(make_params(), t))
