@@ -751,11 +751,14 @@ def estimate(
     def base(c):
       return _estimate_tree(derived, master, c)
 
-  fused, why = _choose_update_in_backward(update_in_backward, stack, update_on, host_memory)
+  fused, why = _choose_update_in_backward(
+    update_in_backward, stack, update_on, host_memory, accumulate
+  )
   if accumulate > 1 and not fused:
     raise ValueError(
-      "accumulate > 1 is planned for the update in the backward pass only (value_and_update's "
-      "host-memory accumulators): add --update-in-backward yes, or plan one micro-batch per step."
+      "accumulate > 1 is planned for a layer stack updated in the backward pass only "
+      "(value_and_update's host-memory accumulators: --weights-on host --layers N, without "
+      "--update-in-backward no), or plan one micro-batch per step."
     )
   stack_params = sum(size for _, _, size in stack)
   accumulators = ACCUMULATOR_ITEMSIZE * stack_params if fused and accumulate > 1 else 0
@@ -798,7 +801,7 @@ def estimate(
 
 
 def _choose_update_in_backward(
-  given: bool | None, stack: list, update_on: str, host_memory: int | None
+  given: bool | None, stack: list, update_on: str, host_memory: int | None, accumulate: int
 ) -> tuple[bool, str | None]:
   """Whether the stack's update runs in the backward pass, and why."""
   weights = sum(nbytes for nbytes, _, _ in stack)
@@ -812,6 +815,11 @@ def _choose_update_in_backward(
     return True, "as asked (--update-in-backward yes)"
   if given is False or not stack or update_on != "device":
     return False, None
+  if accumulate > 1:
+    return True, (
+      f"chosen: accumulate={accumulate} accumulates the stack's gradients in its backward passes "
+      "(--update-in-backward no to refuse)"
+    )
   if host_memory is not None and 2 * weights > host_memory:
     return True, (
       f"chosen: the stack's weights and gradients ({format_bytes(2 * weights)}) do not fit in "
@@ -863,6 +871,8 @@ def _with_weights_on_host(
     host_weight_bytes=host_weights,
     window_peak=window,
     link_bytes=link,
+    accumulate=accumulate,
+    accumulator_bytes=accumulators,
   )
 
 
