@@ -77,11 +77,14 @@ def _tiers(e: Estimate) -> list[str]:
   device_parts = [f"params {fmt(e.param_bytes)}", f"grads {fmt(e.grad_bytes)}"]
   if e.weights_on == "host" and e.update_in_backward:
     device_parts = [
-      f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack",
       f"stack layers {fmt(e.stack_layer_bytes)} ({plan_lib.FUSED_WEIGHT_LAYERS_ON_DEVICE} of weights, "
       f"{plan_lib.FUSED_GRAD_LAYERS_ON_DEVICE} of grads)",
       f"window {fmt(e.window_peak)} during the backward pass",
     ]
+    if e.param_bytes:
+      device_parts.insert(
+        0, f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack"
+      )
   elif e.weights_on == "host":
     device_parts = [
       f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack",
@@ -113,7 +116,7 @@ def _tiers(e: Estimate) -> list[str]:
     host_note += f" + {fmt(e.nvme_buffer_bytes)} of NVMe staging buffers"
   if e.nvme:
     nvme_note = (
-      f"offloaded state beyond the host limit; disk needed {fmt(e.nvme_disk_bytes)} "
+      f"offloaded state beyond the host budget; disk needed {fmt(e.nvme_disk_bytes)} "
       f"({plan_lib.NVME_DISK_FACTOR} generations)"
     )
   else:
