@@ -81,16 +81,15 @@ def _tiers(e: Estimate) -> list[str]:
       f"{plan_lib.FUSED_GRAD_LAYERS_ON_DEVICE} of grads)",
       f"window {fmt(e.window_peak)} during the backward pass",
     ]
-    if e.param_bytes:
-      device_parts.insert(
-        0, f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack"
-      )
   elif e.weights_on == "host":
     device_parts = [
-      f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack",
       f"max(stack layers {fmt(e.stack_layer_bytes)} ({scan_lib.WEIGHT_LAYERS_ON_DEVICE} of "
       f"weights, {scan_lib.GRAD_LAYERS_ON_DEVICE} of grads), window {fmt(e.window_peak)})",
     ]
+  if e.weights_on == "host" and e.param_bytes:
+    device_parts.insert(
+      0, f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack"
+    )
   if e.window_peak and e.weights_on != "host":
     if e.update_on == "host":
       device_parts.append(f"updates returned at once, beyond the grads {fmt(e.window_peak)}")
