@@ -26,8 +26,11 @@ def report(e: Estimate) -> str:
     >>> print(report(oo.estimate("1B", host_limit="64GiB")).splitlines()[0])
     optax_offload plan: 1,000,000,000 params (fp32), adamw with fp32 state, update on device
   """
+  summary = _summary(e)
+  while summary[-1] == "":
+    summary.pop()
   return "\n".join(
-    [*_summary(e), "", *_tiers(e), "", *_placed(e), "", *_fit(e), "", *_step_time(e)]
+    [*summary, "", *_tiers(e), "", *_placed(e), "", *_fit(e), "", *_step_time(e)]
   )
 
 
