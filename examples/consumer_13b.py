@@ -156,7 +156,9 @@ def plan(cfg: Config, args) -> oo.Estimate:
   """`oo.estimate` of this model and machine: the same plan as ``python -m optax_offload plan``."""
   spec = shapes(cfg)
   host = jax.sharding.NamedSharding(
-    jax.sharding.Mesh(jax.devices()[:1], ("d",)), jax.sharding.PartitionSpec(), memory_kind="pinned_host"
+    jax.sharding.Mesh(jax.devices()[:1], ("d",)),
+    jax.sharding.PartitionSpec(),
+    memory_kind="pinned_host",
   )
   abstract = jax.tree.map(
     lambda s: jax.ShapeDtypeStruct(s[0], jnp.bfloat16, sharding=host if s[1] else None),
@@ -182,7 +184,9 @@ def main(argv=None) -> dict:
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--lr", type=float, default=1e-5)
   p.add_argument("--device-memory", default="24GiB", help="the card's memory (default 24GiB)")
-  p.add_argument("--host-memory", default="48GiB", help="host RAM for the run in all (default 48GiB)")
+  p.add_argument(
+    "--host-memory", default="48GiB", help="host RAM for the run in all (default 48GiB)"
+  )
   p.add_argument("--host-limit", help="the state's host budget; default: what the plan leaves")
   p.add_argument("--nvme-dir", help="directory on the NVMe drive for the optimizer state")
   p.add_argument("--no-nvme", action="store_true", help="keep the state in host memory only")
@@ -205,9 +209,7 @@ def main(argv=None) -> dict:
   )
   params = init_params(cfg)
   state = tx.init(params)
-  step = jax.jit(
-    oo.value_and_update(lambda p, t: loss_fn(cfg, p, t), tx), donate_argnums=(0, 1)
-  )
+  step = jax.jit(oo.value_and_update(lambda p, t: loss_fn(cfg, p, t), tx), donate_argnums=(0, 1))
   losses = []
   data = batches(cfg)
   for i in range(args.steps):

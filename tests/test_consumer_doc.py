@@ -72,7 +72,10 @@ def test_the_page_shows_each_plan_as_printed(page_machine):
 
 def test_the_speed_page_figures_it_cites():
   speed = (ROOT / "docs" / "speed.md").read_text()
-  assert "| 13B, `rtx4090_24gb` | `fused_all` | 524,288 | 391 s | 367 s | 1.07 | 1,340 | **104.7**" in speed
+  assert (
+    "| 13B, `rtx4090_24gb` | `fused_all` | 524,288 | 391 s | 367 s | 1.07 | 1,340 | **104.7**"
+    in speed
+  )
 
 
 def test_the_window_the_page_asks_for():
@@ -89,7 +92,9 @@ def test_the_window_the_page_asks_for():
   host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
   shapes = {"w_down": jax.ShapeDtypeStruct((40, 13824, 5120), jnp.bfloat16, sharding=host)}
   kwargs = dict(master_dtype="fp32", device_memory="24GiB", memory_fraction=0.75)
-  with pytest.raises(ValueError, match=r"window_bytes 1\.80 GiB .* 1\.05 GiB .* at least 2\.37 GiB"):
+  with pytest.raises(
+    ValueError, match=r"window_bytes 1\.80 GiB .* 1\.05 GiB .* at least 2\.37 GiB"
+  ):
     oo.estimate(shapes, **kwargs)
   assert oo.estimate(shapes, window_bytes="2.5GiB", **kwargs).fits
   assert all(

@@ -161,7 +161,10 @@ def test_the_pinned_pool_setting_is_named(monkeypatch, capsys):
   assert d["pinned_bytes"] == 84_000_000_000
   assert d["pinned_pool"]["setting"] == "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=79"
   assert cli.main(argv) == 0
-  assert "set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=79 (or more) before JAX starts" in capsys.readouterr().out
+  assert (
+    "set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=79 (or more) before JAX starts"
+    in capsys.readouterr().out
+  )
   monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "80")
   assert _json(argv, capsys)["pinned_pool"]["setting"] is None
 
@@ -173,7 +176,9 @@ def test_device_memory_is_the_card_and_jax_takes_its_fraction(monkeypatch, capsy
   d = _json(argv, capsys)
   assert (d["device_memory"], d["memory_fraction"]) == (int(0.95 * 24 * GiB), 0.95)
   assert cli.main(argv) == 0
-  assert "0.95 of the 24.00 GiB card (XLA_PYTHON_CLIENT_MEM_FRACTION=.95)" in capsys.readouterr().out
+  assert (
+    "0.95 of the 24.00 GiB card (XLA_PYTHON_CLIENT_MEM_FRACTION=.95)" in capsys.readouterr().out
+  )
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "most")
   with pytest.raises(SystemExit) as exc:
     cli.main(argv)

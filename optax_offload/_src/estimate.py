@@ -43,9 +43,9 @@ from optax_offload._src import tree_plan
 from optax_offload._src.measure import Bandwidths
 from optax_offload._src.measure import free_disk
 from optax_offload._src.named_optimizers import NamedOptimizer
-from optax_offload._src.plan import NVME_BUFFER_GROUPS
 from optax_offload._src.plan import FUSED_GRAD_LAYERS_ON_DEVICE
 from optax_offload._src.plan import FUSED_WEIGHT_LAYERS_ON_DEVICE
+from optax_offload._src.plan import NVME_BUFFER_GROUPS
 from optax_offload._src.plan import NVME_DISK_FACTOR
 from optax_offload._src.units import check_options
 from optax_offload._src.units import dtype_name
@@ -268,7 +268,11 @@ class Estimate:
     else:
       streamed = max(self.window_peak, self.stack_layer_bytes)
     return (
-      self.param_bytes + self.grad_bytes + self.device_state_bytes + streamed + self.activation_bytes
+      self.param_bytes
+      + self.grad_bytes
+      + self.device_state_bytes
+      + streamed
+      + self.activation_bytes
     )
 
   @property
@@ -343,12 +347,16 @@ class Estimate:
   def _host_memory_advice(self) -> str:
     fmt = format_bytes
     fixed = self.host_weight_bytes + self.accumulator_bytes
-    if fixed > (self.host_memory or 0) or (self.nvme and fixed + self.nvme_buffer_bytes > (self.host_memory or 0)):
-      parts = [f"the stack's weights {fmt(self.host_weight_bytes if self.update_in_backward else self.host_weight_bytes // 2)}"]
+    budget = self.host_memory or 0
+    if fixed > budget or (self.nvme and fixed + self.nvme_buffer_bytes > budget):
+      weights = self.host_weight_bytes if self.update_in_backward else self.host_weight_bytes // 2
+      parts = [f"the stack's weights {fmt(weights)}"]
       if not self.update_in_backward:
         parts.append(f"gradients {fmt(self.host_weight_bytes // 2)}")
       if self.accumulator_bytes:
-        parts.append(f"gradient accumulators {fmt(self.accumulator_bytes)} (accumulate={self.accumulate})")
+        parts.append(
+          f"gradient accumulators {fmt(self.accumulator_bytes)} (accumulate={self.accumulate})"
+        )
       if self.nvme_buffer_bytes:
         parts.append(f"NVMe staging buffers {fmt(self.nvme_buffer_bytes)}")
       advice = (
@@ -840,7 +848,7 @@ def _choose_update_in_backward(
   if given is True:
     if not stack:
       raise ValueError(
-        "update_in_backward needs a layer stack in pinned host memory (weights_on=\"host\", "
+        'update_in_backward needs a layer stack in pinned host memory (weights_on="host", '
         "--weights-on host --layers N): value_and_update updates the stack that offloaded_scan "
         "streams."
       )

@@ -29,9 +29,7 @@ def report(e: Estimate) -> str:
   summary = _summary(e)
   while summary[-1] == "":
     summary.pop()
-  return "\n".join(
-    [*summary, "", *_tiers(e), "", *_placed(e), "", *_fit(e), "", *_step_time(e)]
-  )
+  return "\n".join([*summary, "", *_tiers(e), "", *_placed(e), "", *_fit(e), "", *_step_time(e)])
 
 
 def _summary(e: Estimate) -> list[str]:
@@ -156,7 +154,9 @@ def _pinned_pool(e: Estimate) -> str:
   head = f"pinned pool on GPU: {fmt(e.pinned_bytes)} of pinned arrays per device, pool {fmt(pool)} ({source})"
   if e.pinned_pool_setting is None:
     return f"{head}: no setting needed"
-  return f"{head}: set {e.pinned_pool_setting} (or more) before JAX starts, or lower the host budget"
+  return (
+    f"{head}: set {e.pinned_pool_setting} (or more) before JAX starts, or lower the host budget"
+  )
 
 
 def _placed(e: Estimate) -> list[str]:
@@ -204,7 +204,11 @@ def _device_memory(e: Estimate) -> str:
   if e.memory_fraction is None:
     return f"{fmt(e.device_memory)} (device memory JAX may take, as given)"
   var = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-  source = f"XLA_PYTHON_CLIENT_MEM_FRACTION={var}" if var else "JAX's default; XLA_PYTHON_CLIENT_MEM_FRACTION sets it"
+  source = (
+    f"XLA_PYTHON_CLIENT_MEM_FRACTION={var}"
+    if var
+    else "JAX's default; XLA_PYTHON_CLIENT_MEM_FRACTION sets it"
+  )
   return (
     f"{fmt(e.device_memory)} that JAX may take: {e.memory_fraction:g} of the "
     f"{fmt(e.device_card_memory)} card ({source})"
