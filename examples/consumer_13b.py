@@ -58,7 +58,7 @@ class Config:
 
 
 SIZES = {
-  # Llama-2-13B's shapes (13.0e9 params); batch 1 x 2,048 tokens a step.
+  # Llama-2-13B's shapes (13.0e9 params); batch 1 x 2,048 tokens a step (--batch).
   # The window holds a layer's row of w_down (1.05 GiB of weights, gradients and state) in a
   # group of window / 2.25: at least 2.37 GiB, more than offload's default (10% of the 18 GiB
   # JAX takes of a 24 GB card); the plan and offload both say so when it is too small.
@@ -182,6 +182,7 @@ def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
   p.add_argument("--size", choices=sorted(SIZES), default="13B")
   p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--batch", type=int, help="sequences per step (13B: 1; 4 needs more of the card)")
   p.add_argument("--lr", type=float, default=1e-5)
   p.add_argument("--device-memory", default="24GiB", help="the card's memory (default 24GiB)")
   p.add_argument(
@@ -195,6 +196,8 @@ def main(argv=None) -> dict:
   if not args.no_nvme and not args.nvme_dir:
     p.error("give --nvme-dir (a directory on the NVMe drive), or --no-nvme")
   cfg = SIZES[args.size]
+  if args.batch is not None:
+    cfg = dataclasses.replace(cfg, batch=args.batch)
   e = plan(cfg, args)
   print(f"{cfg.params:,} params; plan: {e.bytes_per_tier}, fits: {e.fits}", flush=True)
   if not e.fits:
