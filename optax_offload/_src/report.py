@@ -135,6 +135,12 @@ def _tiers(e: Estimate) -> list[str]:
       f"leaves: {counts['device']} on device (< min_size), {counts['host']} host, "
       f"{counts['nvme']} nvme; {len(e.plan.groups)} groups"
     )
+  if e.weights_on == "host" and e.plan is None:
+    lines.append(
+      f"window: offload needs window_bytes of at least {plan_lib.WINDOW_SLOTS} x one layer of the "
+      "stack's largest leaf (its weights, gradients and state); a bare count cannot see the "
+      "leaves: oo.estimate with the model's shapes checks it, as offload does at init"
+    )
   lines.append(_pinned_pool(e))
   if e.nvme_bytes:
     lines.append(
