@@ -149,6 +149,9 @@ def test_accumulators_count_against_the_host_budget(capsys):
   d = _json([*GOAL[:13], "128GiB", "--nvme-size", "2TB", "--accumulate", "8"], capsys)
   assert d["fits"] and "accumulate=8" in d["update_in_backward_reason"]
   assert d["host_bytes"] == 128 * GiB - 26_000_000_000 - 52_000_000_000 - HAND_BUFFERS
+  # On the device: 7 + 4 layers of bf16 weights and grads, 3 layers of fp32 accumulator rows
+  # (325e6 params a layer), and the window.
+  assert d["bytes_per_tier"]["device"] == 11 * 650_000_000 + 3 * 4 * 325_000_000 + HAND_WINDOW
   # Per step the weights cross the link 2 x 8 + 1 times, the accumulators 2 x 7, the state twice.
   assert d["link_bytes"] == 2 * 156_000_000_000 + 17 * 26_000_000_000 + 14 * 52_000_000_000
 

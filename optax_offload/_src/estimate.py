@@ -508,7 +508,13 @@ def _placements(e: Estimate) -> tuple[Placement, ...]:
       e.stack_layer_bytes,
       (
         f"{FUSED_WEIGHT_LAYERS_ON_DEVICE} layers of weights and {FUSED_GRAD_LAYERS_ON_DEVICE} of "
-        "gradients at once, each fetched one layer ahead; the update window beside them"
+        "gradients at once"
+        + (
+          f" ({plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE} of accumulators)"
+          if e.accumulator_bytes
+          else ""
+        )
+        + ", each fetched one layer ahead; the update window beside them"
         if e.update_in_backward
         else f"{scan_lib.WEIGHT_LAYERS_ON_DEVICE} layers of weights and "
         f"{scan_lib.GRAD_LAYERS_ON_DEVICE} of gradients at once, each fetched one layer ahead"
@@ -885,7 +891,8 @@ def _with_weights_on_host(
   the gradients twice.
 
   In the backward pass (`value_and_update`, `fused`): no whole gradients anywhere; the device holds
-  `FUSED_WEIGHT_LAYERS_ON_DEVICE` and `FUSED_GRAD_LAYERS_ON_DEVICE` layers and the window at once.
+  `FUSED_WEIGHT_LAYERS_ON_DEVICE` and `FUSED_GRAD_LAYERS_ON_DEVICE` layers (and with accumulators
+  `plan.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE` layers of them) and the window at once.
   Per micro-batch the weights cross the link twice (forward, backward) and once more per step
   (the new weights); the accumulators 2 (accumulate - 1) times a step.
   """
@@ -894,8 +901,14 @@ def _with_weights_on_host(
   window = e.window_peak
   if e.plan is None:  # a bare count: the window now carries weights and gradients with the state
     window = min(e.window_bytes, e.offloaded_bytes + 2 * weights)
+  stack_layer_bytes = 0
   if fused:
     layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
+    if accumulators:  # fp32 rows of the accumulators come in with their layers' weights
+      per_layer_params = sum(-(-size // n) for _, n, size in stack)
+      stack_layer_bytes = (
+        plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE * per_layer_params * ACCUMULATOR_ITEMSIZE
+      )
     host_weights = weights
     link = e.link_bytes + (2 * accumulate + 1) * weights + 2 * (accumulate - 1) * accumulators
   else:
@@ -907,7 +920,7 @@ def _with_weights_on_host(
     weights_on="host",
     param_bytes=e.param_bytes - weights,
     grad_bytes=e.grad_bytes - weights,
-    stack_layer_bytes=layers_on_device * per_layer,
+    stack_layer_bytes=stack_layer_bytes + layers_on_device * per_layer,
     host_weight_bytes=host_weights,
     window_peak=window,
     link_bytes=link,

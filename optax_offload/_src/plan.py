@@ -43,6 +43,10 @@ FUSED_GRAD_LAYERS_ON_DEVICE = 4
 """Layers of a stack's gradients on the device at once in that loop: the pair being updated and the
 pair being computed."""
 
+FUSED_ACCUMULATOR_LAYERS_ON_DEVICE = 3
+"""With several micro-batches a step, layers of a stack's gradient accumulators on the device at
+once in that loop: the one carried and the two fetched with their layers' weights."""
+
 
 def gpu_pinned_pool() -> int:
   """The pinned host pool per GPU: ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` GB, or 64 GiB by default."""

@@ -79,7 +79,12 @@ def _tiers(e: Estimate) -> list[str]:
   if e.weights_on == "host" and e.update_in_backward:
     device_parts = [
       f"stack layers {fmt(e.stack_layer_bytes)} ({plan_lib.FUSED_WEIGHT_LAYERS_ON_DEVICE} of weights, "
-      f"{plan_lib.FUSED_GRAD_LAYERS_ON_DEVICE} of grads)",
+      f"{plan_lib.FUSED_GRAD_LAYERS_ON_DEVICE} of grads"
+      + (
+        f", {plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE} of fp32 accumulators)"
+        if e.accumulator_bytes
+        else ")"
+      ),
       f"window {fmt(e.window_peak)} during the backward pass",
     ]
   elif e.weights_on == "host":
