@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     choices=("auto", "yes", "no"),
     help="update the layer stack inside the backward pass (oo.value_and_update): its gradients "
     "never exist whole. auto (default): when the stack's weights and gradients do not fit in "
-    "--host-memory",
+    "--host-memory, or with --accumulate above 1",
   )
   opt(
     "--accumulate",
@@ -140,7 +140,12 @@ def _parser() -> argparse.ArgumentParser:
     metavar="SIZE",
     help="disk space the NVMe tier may use, e.g. 2TB (with --nvme-dir: at most its free space)",
   )
-  opt("--window-bytes", metavar="SIZE", help="default 10%% of --device-memory, or 1GiB")
+  opt(
+    "--window-bytes",
+    metavar="SIZE",
+    help="the update's window on the device; default 10%% of what JAX may take of "
+    "--device-memory, or 1GiB",
+  )
   opt("--activations", default="0", metavar="SIZE", help="activation bytes to add on the device")
   bw = p.add_argument_group("bandwidths (bytes per second)").add_argument
   bw("--link-bandwidth", metavar="BPS", help="host<->device, one way (default 25GB)")
