@@ -558,7 +558,12 @@ def _placements(e: Estimate) -> tuple[Placement, ...]:
       "NVMe staging buffers",
       "host",
       e.nvme_buffer_bytes,
-      f"{NVME_BUFFER_GROUPS} groups: one read ahead, one written behind, one in use",
+      (
+        f"the NVMe groups of {plan_lib.FUSED_NVME_LAYERS_HELD} layers (the pair being updated in "
+        "the backward pass), one group read ahead, one written behind"
+        if e.update_in_backward
+        else f"{NVME_BUFFER_GROUPS} groups: one read ahead, one written behind, one in use"
+      ),
     )
   return tuple(out)
 
@@ -712,7 +717,7 @@ def estimate(
     >>> e = oo.estimate("13B", param_dtype="bf16", master_dtype="fp32", weights_on="host",
     ...                 layers=40, device_memory="24GiB", memory_fraction=0.75,
     ...                 host_memory="48GiB", nvme_size="2TB")
-    >>> e.update_in_backward, e.fits, e.bytes_per_tier["host"] == 48 * 2**30
+    >>> e.update_in_backward, e.fits, e.bytes_per_tier["host"] <= 48 * 2**30
     (True, True, True)
     >>> [(p.what, p.tier) for p in e.placements][:2]
     [("layer stack's weights (bf16)", 'host'), ("layer stack's gradients", 'none')]
@@ -827,11 +832,12 @@ def estimate(
     if host_limit is not None:
       limit = min(limit, host_limit)
     e = build(limit)
-    for _ in range(4):  # the NVMe tier's buffers come out of the host budget too
+    for _ in range(8):  # the NVMe tier's buffers come out of the host budget too
       over = e.host_total_bytes - host_memory
       if over <= 0 or not e.nvme or limit == 0:
         break
-      limit = max(0, limit - over)
+      # The buffers grow as the limit shrinks (and round up): close in, then step past rounding.
+      limit = max(0, limit - (over if over > 4096 else 2 * over + 64))
       e = build(limit)
   return dataclasses.replace(
     e,
@@ -902,6 +908,13 @@ def _with_weights_on_host(
   if e.plan is None:  # a bare count: the window now carries weights and gradients with the state
     window = min(e.window_bytes, e.offloaded_bytes + 2 * weights)
   stack_layer_bytes = 0
+  buffers = e.nvme_buffer_bytes
+  if fused and e.nvme_bytes:
+    # The groups of a pair of layers stay in host memory until complete, beside one group read
+    # ahead and one written behind (nvme_tier/layers.py with value_and_update).
+    group = e.nvme_buffer_bytes // NVME_BUFFER_GROUPS
+    held = min(plan_lib.FUSED_NVME_LAYERS_HELD, stack[0][1])
+    buffers = held * _stack_nvme_per_layer(e, stack) + 2 * group
   if fused:
     layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
     if accumulators:  # fp32 rows of the accumulators come in with their layers' weights
@@ -921,11 +934,26 @@ def _with_weights_on_host(
     param_bytes=e.param_bytes - weights,
     grad_bytes=e.grad_bytes - weights,
     stack_layer_bytes=stack_layer_bytes + layers_on_device * per_layer,
+    nvme_buffer_bytes=buffers,
     host_weight_bytes=host_weights,
     window_peak=window,
     link_bytes=link,
     accumulate=accumulate,
     accumulator_bytes=accumulators,
+  )
+
+
+def _stack_nvme_per_layer(e: Estimate, stack: list[tuple[int, int, int]]) -> int:
+  """Bytes of one layer of the stack's optimizer state in the NVMe tier: for a bare count (all of
+  it in the stack) the NVMe bytes over the layers; with shapes, each NVMe leaf that streams with
+  its weights (`LeafInfo.moving_bytes`) over its layers."""
+  layers = stack[0][1]
+  if e.plan is None:
+    return -(-e.nvme_bytes // layers)
+  return sum(
+    -(-leaf.held_bytes // layers)
+    for leaf, tier in zip(e.leaves, e.plan.tiers)
+    if leaf.moving_bytes and tier is plan_lib.Tier.NVME
   )
 
 

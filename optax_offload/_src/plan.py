@@ -43,6 +43,11 @@ FUSED_GRAD_LAYERS_ON_DEVICE = 4
 """Layers of a stack's gradients on the device at once in that loop: the pair being updated and the
 pair being computed."""
 
+FUSED_NVME_LAYERS_HELD = 2
+"""With the update in the backward pass and state in the NVMe tier, layers of the stack's NVMe state
+held in host memory at once: the tier holds the store groups of the block in flight (a pair of
+layers) until each is complete, beside one group read ahead and one written behind."""
+
 FUSED_ACCUMULATOR_LAYERS_ON_DEVICE = 3
 """With several micro-batches a step, layers of a stack's gradient accumulators on the device at
 once in that loop: the one carried and the two fetched with their layers' weights."""
