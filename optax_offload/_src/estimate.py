@@ -913,8 +913,7 @@ def _with_weights_on_host(
     # The groups of a pair of layers stay in host memory until complete, beside one group read
     # ahead and one written behind (nvme_tier/layers.py with value_and_update).
     group = e.nvme_buffer_bytes // NVME_BUFFER_GROUPS
-    held = min(plan_lib.FUSED_NVME_LAYERS_HELD, stack[0][1])
-    buffers = held * _stack_nvme_per_layer(e, stack) + 2 * group
+    buffers = _fused_nvme_held(e, stack) + 2 * group
   if fused:
     layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
     if accumulators:  # fp32 rows of the accumulators come in with their layers' weights
@@ -943,16 +942,24 @@ def _with_weights_on_host(
   )
 
 
-def _stack_nvme_per_layer(e: Estimate, stack: list[tuple[int, int, int]]) -> int:
-  """Bytes of one layer of the stack's optimizer state in the NVMe tier: for a bare count (all of
-  it in the stack) the NVMe bytes over the layers; with shapes, each NVMe leaf that streams with
-  its weights (`LeafInfo.moving_bytes`) over its layers."""
+def _fused_nvme_held(e: Estimate, stack: list[tuple[int, int, int]]) -> int:
+  """Host bytes of the stack's NVMe state that the update in the backward pass holds at once: the
+  store groups that the pair of layers in flight touches, each held until all its rows are
+  written. For a bare count, two layers of it (groups of one layer row); with shapes, per NVMe leaf
+  that streams with its weights (`LeafInfo.moving_bytes`), two of its row slices (the plan's
+  pieces), or the whole leaf when it is not sliced."""
   layers = stack[0][1]
+  held = min(plan_lib.FUSED_NVME_LAYERS_HELD, layers)
   if e.plan is None:
-    return -(-e.nvme_bytes // layers)
+    return held * -(-e.nvme_bytes // layers)
+  slice_rows = {}
+  for unit in e.plan.units:
+    for piece in unit:
+      rows = layers if piece.start is None else piece.stop - piece.start
+      slice_rows[piece.leaf] = max(slice_rows.get(piece.leaf, 0), rows)
   return sum(
-    -(-leaf.held_bytes // layers)
-    for leaf, tier in zip(e.leaves, e.plan.tiers)
+    min(held * slice_rows.get(i, layers), layers) * -(-leaf.held_bytes // layers)
+    for i, (leaf, tier) in enumerate(zip(e.leaves, e.plan.tiers))
     if leaf.moving_bytes and tier is plan_lib.Tier.NVME
   )
 
