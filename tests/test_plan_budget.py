@@ -256,3 +256,22 @@ def test_bad_budget_options(capsys):
       cli.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err, argv
+
+
+def test_fused_nvme_buffers_from_shapes_hold_two_row_slices():
+  # A stack of 8 rows of 512 x 512 bf16, its state on NVMe: 3 MiB of fp32 master and moments per
+  # row, 1 MiB of bf16 weights and gradients moving with it. A 9.5 MiB window holds groups of
+  # 9.5 / 2.25 = 4.2 MiB: one row each (4 MiB with its weights and gradients). The update in the
+  # backward pass holds the groups of a pair of rows (2 x 3 MiB), beside one group read ahead and
+  # one written behind (2 x 4 MiB): 14 MiB; weights 4 MiB; 18 MiB in all.
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+  params = {"layers": jax.ShapeDtypeStruct((8, 512, 512), jnp.bfloat16, sharding=host)}
+  kwargs = dict(master_dtype="fp32", host_memory="24MiB", nvme_size="1GB")
+  e = oo.estimate(params, window_bytes="9.5MiB", update_in_backward=True, **kwargs)
+  MiB = 2**20
+  assert len(e.plan.units) == 8 and e.nvme_bytes == 24 * MiB and e.host_bytes == 0
+  assert e.nvme_buffer_bytes == 14 * MiB and e.host_total_bytes == 18 * MiB and e.fits
+  # After the backward pass instead: 3 groups of 4 MiB, and the gradients (4 MiB) in host memory.
+  e = oo.estimate(params, window_bytes="9.5MiB", update_in_backward=False, **kwargs)
+  assert e.nvme_buffer_bytes == 12 * MiB and e.host_total_bytes == 4 * MiB + 4 * MiB + 12 * MiB
