@@ -22,11 +22,18 @@ from optax_offload._src.units import parse_bytes
 
 _EPILOG = """\
 examples:
+  # a 24 GB GPU, 64 GB of RAM (48 GiB of it for training), a 2 TB NVMe drive mounted at /nvme:
+  python -m optax_offload plan 13B --param-dtype bf16 --master-dtype fp32 \\
+      --weights-on host --layers 40 --device-memory 24GB --host-memory 48GiB --nvme-dir /nvme/run1
   python -m optax_offload plan 7B --param-dtype bf16 --master-dtype fp32 \\
-      --device-memory 24GiB --host-limit 64GiB --nvme-dir /nvme/run1
+      --device-memory 32GiB --host-memory 96GiB --nvme-dir /nvme/run1
   python -m optax_offload plan 1.3e9 --optimizer lion --measure --nvme-dir /nvme/run1
-  python -m optax_offload plan 13B --param-dtype bf16 --master-dtype fp32 --moment-dtype bf16 \
-      --device-memory 24GiB --weights-on host --layers 40 --host-limit 48GiB --nvme-size 2TB
+  python -m optax_offload plan 13B --param-dtype bf16 --master-dtype fp32 --moment-dtype bf16 \\
+      --device-memory 24GiB --weights-on host --layers 40 --host-memory 48GiB --nvme-size 2TB
+
+--host-memory is all the host RAM the run may pin (weights, gradients, optimizer state, NVMe
+buffers): leave the OS and your data loader the rest. --device-memory is the card's memory; JAX
+takes 75% of it (XLA_PYTHON_CLIENT_MEM_FRACTION changes that) and the plan checks that share.
 
 sizes take a unit: 24GiB = 24 * 2**30 bytes, 24GB = 24 * 10**9 bytes. Bandwidths are bytes per
 second (25GB = 25 * 10**9 B/s). A bare parameter count is one aggregate: every parameter in a leaf
@@ -91,13 +98,54 @@ def _parser() -> argparse.ArgumentParser:
   opt(
     "--device-memory",
     metavar="SIZE",
-    help="device memory JAX may use, e.g. 24GiB (JAX takes 75%% of a GPU by default); "
-    "unchecked if omitted",
+    help="the GPU card's memory, e.g. 24GB for a 24 GB card; the plan checks the share JAX may "
+    "take: XLA_PYTHON_CLIENT_MEM_FRACTION if set, else JAX's default 75%%; unchecked if omitted",
   )
-  opt("--host-limit", metavar="SIZE", help="pinned-host budget, e.g. 64GiB; none if omitted")
-  opt("--nvme-dir", metavar="DIR", help="NVMe tier directory (its free space is checked)")
-  opt("--nvme-size", metavar="SIZE", help="disk space for the NVMe tier, e.g. 2TB")
-  opt("--window-bytes", metavar="SIZE", help="default 10%% of --device-memory, or 1GiB")
+  opt(
+    "--host-memory",
+    metavar="SIZE",
+    help="host RAM the run may use in all (stack weights, gradients, optimizer state, NVMe "
+    "buffers), e.g. 48GiB on a 64 GB machine; what does not fit goes to --nvme-dir; unchecked if "
+    "omitted",
+  )
+  opt(
+    "--host-limit",
+    metavar="SIZE",
+    help="older, narrower bound: the optimizer state in host memory only (offload's host_limit); "
+    "weights and gradients come on top. Prefer --host-memory",
+  )
+  opt(
+    "--update-in-backward",
+    default="auto",
+    choices=("auto", "yes", "no"),
+    help="update the layer stack inside the backward pass (oo.value_and_update): its gradients "
+    "never exist whole. auto (default): when the stack's weights and gradients do not fit in "
+    "--host-memory, or with --accumulate above 1",
+  )
+  opt(
+    "--accumulate",
+    type=int,
+    default=1,
+    metavar="K",
+    help="micro-batches per optimizer step with --update-in-backward (fp32 accumulators in host "
+    "memory, 4 B per stack parameter); default 1",
+  )
+  opt(
+    "--nvme-dir",
+    metavar="DIR",
+    help="NVMe tier directory: must be a writable directory or creatable; its free space is checked",
+  )
+  opt(
+    "--nvme-size",
+    metavar="SIZE",
+    help="disk space the NVMe tier may use, e.g. 2TB (with --nvme-dir: at most its free space)",
+  )
+  opt(
+    "--window-bytes",
+    metavar="SIZE",
+    help="the update's window on the device; default 10%% of what JAX may take of "
+    "--device-memory, or 1GiB",
+  )
   opt("--activations", default="0", metavar="SIZE", help="activation bytes to add on the device")
   bw = p.add_argument_group("bandwidths (bytes per second)").add_argument
   bw("--link-bandwidth", metavar="BPS", help="host<->device, one way (default 25GB)")
@@ -216,6 +264,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       layers=args.layers,
       device_memory=args.device_memory,
       host_limit=args.host_limit,
+      host_memory=args.host_memory,
+      update_in_backward={"auto": None, "yes": True, "no": False}[args.update_in_backward],
+      accumulate=args.accumulate,
+      memory_fraction=(
+        None if args.device_memory is None else estimate_lib.memory_fraction_from_env()
+      ),
       nvme_dir=args.nvme_dir,
       nvme_size=args.nvme_size,
       window_bytes=args.window_bytes,

@@ -33,6 +33,26 @@ NVME_BUFFER_GROUPS = 3
 """Host buffers of the NVMe tier, in groups: one prefetched, one written behind, one in flight."""
 
 
+FUSED_WEIGHT_LAYERS_ON_DEVICE = 7
+"""Layers of a stack's weights on the device at once in `value_and_update`'s backward loop
+(`fused_scan._consume_update`): the pair being updated (2), the pair just computed as one
+[2, ...] block (2), the next layer carried and the two fetched one layer ahead (3). Read off the
+loop, not measured."""
+
+FUSED_GRAD_LAYERS_ON_DEVICE = 4
+"""Layers of a stack's gradients on the device at once in that loop: the pair being updated and the
+pair being computed."""
+
+FUSED_NVME_LAYERS_HELD = 2
+"""With the update in the backward pass and state in the NVMe tier, layers of the stack's NVMe state
+held in host memory at once: the tier holds the store groups of the block in flight (a pair of
+layers) until each is complete, beside one group read ahead and one written behind."""
+
+FUSED_ACCUMULATOR_LAYERS_ON_DEVICE = 3
+"""With several micro-batches a step, layers of a stack's gradient accumulators on the device at
+once in that loop: the one carried and the two fetched with their layers' weights."""
+
+
 def gpu_pinned_pool() -> int:
   """The pinned host pool per GPU: ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` GB, or 64 GiB by default."""
   value = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")

@@ -6,6 +6,7 @@ Rendering only: every number comes from the `Estimate`. Neither `estimate` (the 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from optax_offload._src import named_optimizers
@@ -25,7 +26,10 @@ def report(e: Estimate) -> str:
     >>> print(report(oo.estimate("1B", host_limit="64GiB")).splitlines()[0])
     optax_offload plan: 1,000,000,000 params (fp32), adamw with fp32 state, update on device
   """
-  return "\n".join([*_summary(e), "", *_tiers(e), "", *_fit(e), "", *_step_time(e)])
+  summary = _summary(e)
+  while summary[-1] == "":
+    summary.pop()
+  return "\n".join([*summary, "", *_tiers(e), "", *_placed(e), "", *_fit(e), "", *_step_time(e)])
 
 
 def _summary(e: Estimate) -> list[str]:
@@ -40,7 +44,15 @@ def _summary(e: Estimate) -> list[str]:
     "",
   ]
   if e.weights_on == "host":
-    lines.insert(1, "weights and grads of the layer stack in pinned host memory (offloaded_scan)")
+    if e.update_in_backward:
+      lines.insert(1, "weights of the layer stack in pinned host memory (offloaded_scan)")
+      lines.insert(
+        2,
+        "update in the backward pass (oo.value_and_update), the stack's gradients never whole: "
+        f"{e.update_in_backward_reason}",
+      )
+    else:
+      lines.insert(1, "weights and grads of the layer stack in pinned host memory (offloaded_scan)")
   if e.plan is None:
     opt = named_optimizers.OPTIMIZERS.get(e.optimizer)
     state_per = (e.offloaded_bytes - e.master_bytes) / e.params
@@ -51,6 +63,8 @@ def _summary(e: Estimate) -> list[str]:
     )
     if e.weights_on == "host":
       on_device = f"{e.host_weight_bytes / e.params:g} B param + grad in host memory"
+      if e.update_in_backward:
+        on_device = f"{e.host_weight_bytes / e.params:g} B param in host memory, no whole grads"
     lines.append(
       f"per parameter: {on_device}; {e.offloaded_bytes / e.params:g} B offloaded: {' + '.join(parts)}"
     )
@@ -62,12 +76,26 @@ def _tiers(e: Estimate) -> list[str]:
   fmt = format_bytes
   lines = [f"{'tier':<8}{'bytes':>12}  holds"]
   device_parts = [f"params {fmt(e.param_bytes)}", f"grads {fmt(e.grad_bytes)}"]
-  if e.weights_on == "host":
+  if e.weights_on == "host" and e.update_in_backward:
     device_parts = [
-      f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack",
+      f"stack layers {fmt(e.stack_layer_bytes)} ({plan_lib.FUSED_WEIGHT_LAYERS_ON_DEVICE} of weights, "
+      f"{plan_lib.FUSED_GRAD_LAYERS_ON_DEVICE} of grads"
+      + (
+        f", {plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE} of fp32 accumulators)"
+        if e.accumulator_bytes
+        else ")"
+      ),
+      f"window {fmt(e.window_peak)} during the backward pass",
+    ]
+  elif e.weights_on == "host":
+    device_parts = [
       f"max(stack layers {fmt(e.stack_layer_bytes)} ({scan_lib.WEIGHT_LAYERS_ON_DEVICE} of "
       f"weights, {scan_lib.GRAD_LAYERS_ON_DEVICE} of grads), window {fmt(e.window_peak)})",
     ]
+  if e.weights_on == "host" and e.param_bytes:
+    device_parts.insert(
+      0, f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack"
+    )
   if e.window_peak and e.weights_on != "host":
     if e.update_on == "host":
       device_parts.append(f"updates returned at once, beyond the grads {fmt(e.window_peak)}")
@@ -80,24 +108,27 @@ def _tiers(e: Estimate) -> list[str]:
   else:
     device_parts.append("activations not included")
   limit = "(no --host-limit)" if e.host_limit is None else f"up to --host-limit {fmt(e.host_limit)}"
+  if e.host_memory is not None:
+    limit = f"(what --host-memory {fmt(e.host_memory)} leaves)"
   host_note = f"offloaded state {limit}"
   if e.host_weight_bytes:
+    stack = "stack weights" if e.update_in_backward else "stack weights and grads"
+    acc = f" + grad accumulators {fmt(e.accumulator_bytes)}" if e.accumulator_bytes else ""
     host_note = (
-      f"stack weights and grads {fmt(e.host_weight_bytes)} + offloaded state "
-      f"{fmt(e.host_bytes)} {limit}"
+      f"{stack} {fmt(e.host_weight_bytes)}{acc} + offloaded state {fmt(e.host_bytes)} {limit}"
     )
   if e.nvme_buffer_bytes:
-    host_note += f"; plus {fmt(e.nvme_buffer_bytes)} of NVMe staging buffers"
+    host_note += f" + {fmt(e.nvme_buffer_bytes)} of NVMe staging buffers"
   if e.nvme:
     nvme_note = (
-      f"offloaded state beyond the host limit; disk needed {fmt(e.nvme_disk_bytes)} "
+      f"offloaded state beyond the host budget; disk needed {fmt(e.nvme_disk_bytes)} "
       f"({plan_lib.NVME_DISK_FACTOR} generations)"
     )
   else:
     nvme_note = "no NVMe tier (--nvme-dir / --nvme-size)"
   for tier, nbytes, note in (
     ("device", e.device_bytes, " + ".join(device_parts)),
-    ("host", e.host_bytes + e.host_weight_bytes, host_note),
+    ("host", e.host_total_bytes, host_note),
     ("nvme", e.nvme_bytes, nvme_note),
   ):
     lines.append(f"{tier:<8}{fmt(nbytes):>12}  {note}")
@@ -109,9 +140,41 @@ def _tiers(e: Estimate) -> list[str]:
       f"leaves: {counts['device']} on device (< min_size), {counts['host']} host, "
       f"{counts['nvme']} nvme; {len(e.plan.groups)} groups"
     )
-  warning = plan_lib.pinned_pool_warning(e.host_bytes + e.host_weight_bytes)
-  if warning:
-    lines.append(f"on GPU (one device): {warning}")
+  if e.weights_on == "host" and e.plan is None:
+    lines.append(
+      f"window: offload needs window_bytes of at least {plan_lib.WINDOW_SLOTS} x one layer of the "
+      "stack's largest leaf (its weights, gradients and state); a bare count cannot see the "
+      "leaves: oo.estimate with the model's shapes checks it, as offload does at init"
+    )
+  lines.append(_pinned_pool(e))
+  if e.nvme_bytes:
+    lines.append(
+      f"to run it: oo.offload(..., host_limit={e.host_bytes}, nvme_dir=DIR) (host_limit bounds "
+      "the offloaded state in host memory"
+      + ("; the stack's weights come on top)" if e.host_weight_bytes else ")")
+    )
+  return lines
+
+
+def _pinned_pool(e: Estimate) -> str:
+  """The setting JAX's GPU client needs to hold the pinned arrays, or that none is needed."""
+  fmt = format_bytes
+  pool = plan_lib.gpu_pinned_pool()
+  given = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+  source = f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={given}" if given else "JAX's default"
+  head = f"pinned pool on GPU: {fmt(e.pinned_bytes)} of pinned arrays per device, pool {fmt(pool)} ({source})"
+  if e.pinned_pool_setting is None:
+    return f"{head}: no setting needed"
+  return (
+    f"{head}: set {e.pinned_pool_setting} (or more) before JAX starts, or lower the host budget"
+  )
+
+
+def _placed(e: Estimate) -> list[str]:
+  """Each item of the plan with its tier, bytes and reason."""
+  lines = ["placed (what each step touches most stays in RAM):"]
+  for p in e.placements:
+    lines.append(f"  {p.tier:<7}{format_bytes(p.nbytes):>11}  {p.what}: {p.reason}")
   return lines
 
 
@@ -121,21 +184,46 @@ def _fit(e: Estimate) -> list[str]:
   checks = []
   if e.device_memory is None:
     checks.append("device not checked (pass --device-memory)")
+  if e.host_memory is None:
+    checks.append("host not checked (pass --host-memory)")
   if e.nvme and e.nvme_capacity is None:
     checks.append("disk space not checked (pass --nvme-size)")
   unchecked = f" ({'; '.join(checks)})" if checks else ""
   if e.fits:
     lines = ["fits: yes" + unchecked]
     if e.device_memory is not None:
-      lines.append(f"  device: {fmt(e.device_bytes)} of {fmt(e.device_memory)}")
+      lines.append(f"  device: {fmt(e.device_bytes)} of {_device_memory(e)}")
+    if e.host_memory is not None:
+      lines.append(f"  host: {fmt(e.host_total_bytes)} of --host-memory {fmt(e.host_memory)}")
+    if e.nvme_capacity is not None and e.nvme_bytes:
+      lines.append(f"  disk: {fmt(e.nvme_disk_bytes)} of {fmt(e.nvme_capacity)} available")
     return lines
   lines = ["fits: NO" + unchecked]
+  if e.device_memory is not None:
+    lines.append(f"  device memory: {_device_memory(e)}")
   for s in e.shortfalls:
     lines.append(
       f"  {s.tier}: needs {fmt(s.needed)} but has {fmt(s.available)}: "
       f"{fmt(s.missing)} ({s.missing} bytes) missing; {s.advice}"
     )
   return lines
+
+
+def _device_memory(e: Estimate) -> str:
+  """What the device budget is: the card's share JAX may take, or what was given."""
+  fmt = format_bytes
+  if e.memory_fraction is None:
+    return f"{fmt(e.device_memory)} (device memory JAX may take, as given)"
+  var = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+  source = (
+    f"XLA_PYTHON_CLIENT_MEM_FRACTION={var}"
+    if var
+    else "JAX's default; XLA_PYTHON_CLIENT_MEM_FRACTION sets it"
+  )
+  return (
+    f"{fmt(e.device_memory)} that JAX may take: {e.memory_fraction:g} of the "
+    f"{fmt(e.device_card_memory)} card ({source})"
+  )
 
 
 def _gbps(x: float) -> str:
@@ -152,7 +240,14 @@ def _step_time(e: Estimate) -> list[str]:
   ]
   if e.update_on == "device":
     link_what = "each offloaded byte to the device and back"
-    if e.weights_on == "host":
+    if e.weights_on == "host" and e.update_in_backward:
+      link_what += (
+        f"; stack weights {2 * e.accumulate + 1}x (forward and backward per micro-batch, new "
+        "weights back), no grads"
+      )
+      if e.accumulator_bytes:
+        link_what += f", accumulators {2 * (e.accumulate - 1)}x"
+    elif e.weights_on == "host":
       link_what += "; stack weights 4x (forward, backward, update in and out), grads 2x"
   else:
     link_what = "grads to the host, updates back"

@@ -1,0 +1,235 @@
+"""Full fine-tuning of a Llama-style 13B model on one 24 GB GPU, 64 GB of RAM and an NVMe drive.
+
+The layer stack's bf16 weights live in pinned host memory and stream through the card layer by
+layer (`oo.offloaded_scan`); the optimizer update of each layer runs inside the backward pass as
+soon as its gradient exists (`oo.value_and_update`), so the stack's gradients never exist whole;
+AdamW's fp32 master copy and moments are split between host memory and the NVMe drive
+(`oo.offload(..., master_dtype=jnp.float32, host_limit=..., nvme_dir=...)`). The host budget for
+the state is what `oo.estimate` leaves of `--host-memory` after the weights and buffers: the plan
+of ``python -m optax_offload plan`` (docs/consumer.md).
+
+  python examples/consumer_13b.py --nvme-dir /nvme/run1                 # 13B, on the GPU
+  python examples/consumer_13b.py --size tiny --steps 3 --nvme-dir /tmp/run1   # a CPU-sized copy
+  python examples/consumer_13b.py --size tiny --steps 3 --no-nvme       # state in host memory only
+
+The data are the bytes of the Python standard library's source (no download; one byte, one
+token): replace `batches` with your tokenizer's output. The weights start random: load your
+checkpoint's into `init_params`'s tree instead (one leaf at a time, straight into pinned host
+memory, as it does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+from jax import lax
+
+import optax_offload as oo
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A Llama-style decoder: multi-head attention, SwiGLU MLP, RMSNorm, untied head."""
+
+  d: int
+  layers: int
+  ffn: int
+  heads: int
+  vocab: int
+  seq: int
+  batch: int
+  window: str | None = None  # offload's window_bytes: must hold one layer row of the largest leaf
+
+  @property
+  def params(self) -> int:
+    d, f, v = self.d, self.ffn, self.vocab
+    return 2 * v * d + d + self.layers * (4 * d * d + 3 * d * f + 2 * d)
+
+
+SIZES = {
+  # Llama-2-13B's shapes (13.0e9 params); batch 1 x 2,048 tokens a step (--batch).
+  # The window holds a layer's row of w_down (1.05 GiB of weights, gradients and state) in a
+  # group of window / 2.25: at least 2.37 GiB, more than offload's default (10% of the 18 GiB
+  # JAX takes of a 24 GB card); the plan and offload both say so when it is too small.
+  "13B": Config(
+    d=5120, layers=40, ffn=13824, heads=40, vocab=32000, seq=2048, batch=1, window="2.5GiB"
+  ),
+  # The same code at a size the tests run on the CPU.
+  "tiny": Config(d=64, layers=4, ffn=128, heads=4, vocab=256, seq=32, batch=4),
+}
+
+
+def shapes(cfg: Config) -> dict:
+  """The params as (shape, in pinned host memory?): the layer stack is, the rest is not."""
+  L, d, f, v = cfg.layers, cfg.d, cfg.ffn, cfg.vocab
+  layer = {
+    "attn_norm": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d),
+    "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
+  }  # fmt: skip
+  return {
+    "embed": ((v, d), False),
+    "layers": {k: ((L, *s), True) for k, s in layer.items()},
+    "final_norm": ((d,), False),
+    "head": ((d, v), False),
+  }
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], bool)
+
+
+def init_params(cfg: Config, seed: int = 0) -> dict:
+  """bf16 params: the stack in pinned host memory, built one layer at a time on the host (the
+  13B stack, 26 GB, never passes through the card); the rest on the device."""
+  rng = np.random.default_rng(seed)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  host = device.with_memory_kind("pinned_host")
+
+  def make(path, spec):
+    shape, on_host = spec
+    out = np.empty(shape, ml_dtypes.bfloat16)
+    parts = out if on_host else out[None]  # the stack one layer at a time: small fp32 temporaries
+    for part in parts:
+      if "norm" in jax.tree_util.keystr(path):
+        part[...] = 1
+      else:
+        part[...] = (rng.standard_normal(part.shape, np.float32) * 0.02).astype(part.dtype)
+    return jax.device_put(out, host if on_host else device)
+
+  return jax.tree_util.tree_map_with_path(make, shapes(cfg), is_leaf=_is_spec)
+
+
+def rms_norm(x, scale):
+  x32 = x.astype(jnp.float32)
+  y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def layer(cfg: Config, x, p):
+  """One decoder layer (`benchmarks/llama.py`'s, with XLA attention)."""
+  b, s, d = x.shape
+  hd = d // cfg.heads
+  h = rms_norm(x, p["attn_norm"])
+  q, k, v = (jnp.einsum("bsd,de->bse", h, p["w" + n]).reshape(b, s, cfg.heads, hd) for n in "qkv")
+  scores = jnp.einsum("bqhe,bkhe->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
+  mask = jnp.tril(jnp.ones((s, s), bool))
+  probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(q.dtype)
+  attn = jnp.einsum("bhqk,bkhe->bqhe", probs, v).reshape(b, s, d)
+  x = x + jnp.einsum("bsd,de->bse", attn, p["wo"])
+  h = rms_norm(x, p["mlp_norm"])
+  gate = jnp.einsum("bsd,df->bsf", h, p["w_gate"])
+  up = jnp.einsum("bsd,df->bsf", h, p["w_up"])
+  return x + jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, p["w_down"])
+
+
+def loss_fn(cfg: Config, params: dict, tokens: jax.Array) -> jax.Array:
+  """Mean next-token cross entropy; the stack streamed from host memory layer by layer."""
+  x = params["embed"][tokens[:, :-1]]
+  x, _ = oo.offloaded_scan(lambda x, w: (layer(cfg, x, w), None), x, params["layers"])
+  x = rms_norm(x, params["final_norm"])
+  logits = jnp.einsum("bsd,dv->bsv", x, params["head"]).astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+def batches(cfg: Config):
+  """(batch, seq + 1) int32 windows of the standard library's bytes, in order."""
+  files = sorted(pathlib.Path(os.path.dirname(os.__file__)).glob("*.py"))
+  text = np.frombuffer(b"".join(f.read_bytes() for f in files[:50]), np.uint8).astype(np.int32)
+  n = cfg.batch * (cfg.seq + 1)
+  for start in range(0, len(text) - n, n):
+    yield jnp.asarray(text[start : start + n].reshape(cfg.batch, cfg.seq + 1))
+
+
+def plan(cfg: Config, args) -> oo.Estimate:
+  """`oo.estimate` of this model and machine: the same plan as ``python -m optax_offload plan``."""
+  spec = shapes(cfg)
+  host = jax.sharding.NamedSharding(
+    jax.sharding.Mesh(jax.devices()[:1], ("d",)),
+    jax.sharding.PartitionSpec(),
+    memory_kind="pinned_host",
+  )
+  abstract = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s[0], jnp.bfloat16, sharding=host if s[1] else None),
+    spec,
+    is_leaf=_is_spec,
+  )
+  return oo.estimate(
+    abstract,
+    optimizer=optax.adamw(args.lr),
+    master_dtype="fp32",
+    device_memory=args.device_memory,
+    memory_fraction=float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75)),
+    window_bytes=cfg.window,
+    host_memory=args.host_memory,
+    nvme_dir=None if args.no_nvme else args.nvme_dir,
+    update_in_backward=True,
+  )
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+  p.add_argument("--size", choices=sorted(SIZES), default="13B")
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--batch", type=int, help="sequences per step (13B: 1; 4 needs more of the card)")
+  p.add_argument("--lr", type=float, default=1e-5)
+  p.add_argument("--device-memory", default="24GiB", help="the card's memory (default 24GiB)")
+  p.add_argument(
+    "--host-memory", default="48GiB", help="host RAM for the run in all (default 48GiB)"
+  )
+  p.add_argument("--host-limit", help="the state's host budget; default: what the plan leaves")
+  p.add_argument("--nvme-dir", help="directory on the NVMe drive for the optimizer state")
+  p.add_argument("--no-nvme", action="store_true", help="keep the state in host memory only")
+  p.add_argument("--json", help="write the losses and bytes per tier here")
+  args = p.parse_args(argv)
+  if not args.no_nvme and not args.nvme_dir:
+    p.error("give --nvme-dir (a directory on the NVMe drive), or --no-nvme")
+  cfg = SIZES[args.size]
+  if args.batch is not None:
+    cfg = dataclasses.replace(cfg, batch=args.batch)
+  e = plan(cfg, args)
+  print(f"{cfg.params:,} params; plan: {e.bytes_per_tier}, fits: {e.fits}", flush=True)
+  if not e.fits:
+    print("\n".join(f"  {s.tier}: {s.advice}" for s in e.shortfalls), flush=True)
+  host_limit = args.host_limit if args.host_limit is not None else e.host_bytes
+  tx = oo.offload(
+    optax.adamw(args.lr),
+    master_dtype=jnp.float32,
+    window_bytes=cfg.window,
+    host_limit=None if args.no_nvme else host_limit,
+    nvme_dir=None if args.no_nvme else args.nvme_dir,
+  )
+  params = init_params(cfg)
+  state = tx.init(params)
+  step = jax.jit(oo.value_and_update(lambda p, t: loss_fn(cfg, p, t), tx), donate_argnums=(0, 1))
+  losses = []
+  data = batches(cfg)
+  for i in range(args.steps):
+    t0 = time.perf_counter()
+    loss, params, state = step(params, state, next(data))
+    losses.append(float(loss))
+    print(f"step {i}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.1f} s)", flush=True)
+  oo.sync_nvme(state)
+  out = {"losses": losses, "footprint": oo.footprint(state), "plan": e.bytes_per_tier}
+  print("bytes per tier:", out["footprint"])
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(out))
+  out["params"], out["state"] = params, state
+  return out
+
+
+if __name__ == "__main__":
+  result = main()
+  oo.close_nvme(result["state"])
+  sys.exit(0)

@@ -1,0 +1,104 @@
+"""docs/consumer.md: every `plan` output it shows is the command's output today, and every size its
+prose states is in one of those outputs."""
+
+import contextlib
+import io
+import pathlib
+import re
+import shlex
+
+import pytest
+
+from optax_offload._src import cli
+from optax_offload._src import estimate as estimate_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "consumer.md"
+TWO_TB = 2_000_000_000_000  # the page's drive: 2 TB, empty
+WINDOW_FIGURES = ("1.05 GiB", "2.37 GiB", "1.80 GiB")  # test_the_window_the_page_asks_for
+SPEED_PAGE_FIGURES = ("18.6 GiB",)  # test_the_speed_page_figures_it_cites
+_PAIR = re.compile(r"```sh\n(python -m optax_offload plan .*?)```\n\n```text\n(.*?)```", re.S)
+
+
+def plan_blocks(text: str) -> list[tuple[list[str], str]]:
+  """(argv, shown output) for each `plan` command of the page followed by its output block."""
+  out = []
+  for command, shown in _PAIR.findall(text):
+    argv = shlex.split(command.replace("\\\n", " "))[3:]
+    out.append((argv, shown))
+  return out
+
+
+def run_plan(argv: list[str], nvme_dir: str) -> str:
+  argv = [nvme_dir if a == "/nvme/run1" else a for a in argv]
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    cli.main(argv)
+  return buf.getvalue()
+
+
+def segments(shown: str) -> list[str]:
+  """The parts of a shown output between ``...`` lines (each must appear whole, in order)."""
+  return [s.strip("\n") for s in re.split(r"^\.\.\.\n", shown, flags=re.M) if s.strip()]
+
+
+@pytest.fixture
+def page_machine(monkeypatch, tmp_path):
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+  monkeypatch.setattr(estimate_lib, "free_disk", lambda path: TWO_TB)
+  return str(tmp_path / "run1")
+
+
+def test_the_page_shows_each_plan_as_printed(page_machine):
+  text = PAGE.read_text()
+  blocks = plan_blocks(text)
+  assert len(blocks) == 4
+  outputs = []
+  for argv, shown in blocks:
+    printed = run_plan(argv, page_machine)
+    outputs.append(printed)
+    at = 0
+    for seg in segments(shown):
+      found = printed.find(seg, at)
+      assert found >= 0, f"{argv}: not printed (in this order):\n{seg}"
+      at = found + len(seg)
+  # The first is shown whole, and fits.
+  assert segments(blocks[0][1]) == [outputs[0].strip("\n")] and "fits: yes" in outputs[0]
+  # Every size and rate the prose states comes from those outputs.
+  prose = _PAIR.sub("", text)
+  for figure in re.findall(r"\d+(?:\.\d+)? GiB|\d[\d,]* tokens/s", prose):
+    cited = figure in WINDOW_FIGURES + SPEED_PAGE_FIGURES
+    assert cited or any(figure in o for o in outputs), figure
+
+
+def test_the_speed_page_figures_it_cites():
+  speed = (ROOT / "docs" / "speed.md").read_text()
+  assert (
+    "| 13B, `rtx4090_24gb` | `fused_all` | 524,288 | 391 s | 367 s | 1.07 | 1,340 | **104.7** "
+    "| 18.6 GiB | yes |" in speed
+  )
+
+
+def test_the_window_the_page_asks_for():
+  # The page's --window-bytes 2.5GiB: a group (window / 2.25) must hold one layer's row of
+  # Llama-2-13B's w_down (5120 x 13824, bf16 weights and gradients, fp32 master and moments):
+  # 70,778,880 x 16 B = 1.05 GiB, so a window of at least 2.37 GiB; the default, 10% of the 18 GiB
+  # JAX takes of a 24 GiB card, is 1.80 GiB.
+  import jax
+  import jax.numpy as jnp
+
+  import optax_offload as oo
+
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+  shapes = {"w_down": jax.ShapeDtypeStruct((40, 13824, 5120), jnp.bfloat16, sharding=host)}
+  kwargs = dict(master_dtype="fp32", device_memory="24GiB", memory_fraction=0.75)
+  with pytest.raises(
+    ValueError, match=r"window_bytes 1\.80 GiB .* 1\.05 GiB .* at least 2\.37 GiB"
+  ):
+    oo.estimate(shapes, **kwargs)
+  assert oo.estimate(shapes, window_bytes="2.5GiB", **kwargs).fits
+  assert all(
+    argv[argv.index("--window-bytes") + 1] == "2.5GiB" for argv, _ in plan_blocks(PAGE.read_text())
+  )

@@ -1,0 +1,277 @@
+"""`plan --host-memory`: one host budget for weights, gradients, state and buffers, the rest on NVMe.
+
+Numbers checked by hand; the consumer machine of issue 22 (a 24 GB card, 64 GB of RAM of which
+48 GiB for the run, a 2 TB NVMe drive) is the main case.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import optax_offload as oo
+from optax_offload._src import cli
+from optax_offload._src import estimate as estimate_lib
+
+GiB = 2**30
+TWO_TB_FREE = 1_900_000_000_000  # a 2 TB drive, mostly free
+
+# 13B bf16 in a stack of 40 layers, AdamW with an fp32 master copy, by hand:
+#   card 24 GiB, JAX takes 75%: int(0.75 * 24 GiB) = 19_327_352_832 B; window 10% of that,
+#     int(1_932_735_283.2) = 1_932_735_283 B
+#   stack weights 2 B x 13e9 = 26e9 B in host memory; no whole gradients (update in the backward
+#     pass); per layer 650e6 B, on the device 7 layers of weights + 4 of grads = 7.15e9 B
+#   device: 7.15e9 + window = 9_082_735_283 B
+#   state 12 B x 13e9 = 156e9 B. With the update in the backward pass the NVMe tier holds a pair of
+#     layers' NVMe state in host memory, and one group read ahead and one written behind (groups of
+#     half the window, 966_367_641 B): buffers = 2 * ceil(nvme / 40) + 2 * 966_367_641
+#   the state in host memory h fills the rest: 26e9 + h + buffers(156e9 - h) = 48 GiB, so
+#     h * 19 / 20 = 51_539_607_552 - 26e9 - 1_932_735_282 - 156e9 / 20 = 15_806_872_270,
+#     h = 16_638_812_915.8 B (the planner lands within a few KiB below: the buffers round up)
+GOAL = [
+  "plan",
+  "13B",
+  "--param-dtype",
+  "bf16",
+  "--master-dtype",
+  "fp32",
+  "--weights-on",
+  "host",
+  "--layers",
+  "40",
+  "--device-memory",
+  "24GiB",
+  "--host-memory",
+  "48GiB",
+]
+HAND_DEVICE_JAX = 19_327_352_832
+HAND_WINDOW = 1_932_735_283
+HAND_GROUP = 966_367_641
+HAND_BUFFERS = 3 * HAND_GROUP  # the update after the backward pass: 3 groups
+HAND_STATE_HOST = 16_638_812_915.8
+STATE = 156_000_000_000
+
+
+def fused_buffers(nvme: int) -> int:
+  """The NVMe tier's host buffers with the update in the backward pass (by hand, above)."""
+  return 2 * -(-nvme // 40) + 2 * HAND_GROUP
+
+
+@pytest.fixture(autouse=True)
+def _jax_defaults(monkeypatch):
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+
+
+@pytest.fixture
+def two_tb(monkeypatch):
+  monkeypatch.setattr(estimate_lib, "free_disk", lambda path: TWO_TB_FREE)
+
+
+def _json(argv, capsys, status=0):
+  assert cli.main([*argv, "--json"]) == status
+  return json.loads(capsys.readouterr().out)
+
+
+def test_13b_on_a_24gb_card_with_48gib_of_host_fits(tmp_path, two_tb, capsys):
+  d = _json([*GOAL, "--nvme-dir", str(tmp_path / "run1")], capsys)
+  assert d["fits"] and d["shortfalls"] == []
+  assert d["update_in_backward"] and "do not fit in --host-memory" in d["update_in_backward_reason"]
+  assert d["device_memory"] == HAND_DEVICE_JAX and d["device_card_memory"] == 24 * GiB
+  assert d["window_bytes"] == HAND_WINDOW
+  host, nvme = d["host_bytes"], d["nvme_bytes"]
+  assert (
+    d["host_weight_bytes"] == 26_000_000_000 and HAND_STATE_HOST - 8192 < host <= HAND_STATE_HOST
+  )
+  assert nvme == STATE - host and d["nvme_buffer_bytes"] == fused_buffers(nvme)
+  assert 48 * GiB - 8192 < d["bytes_per_tier"]["host"] <= 48 * GiB
+  assert d["bytes_per_tier"]["device"] == 7_150_000_000 + HAND_WINDOW <= HAND_DEVICE_JAX
+  assert d["pinned_pool"]["setting"] is None  # 26e9 + 16.6e9 B of pinned arrays < 64 GiB
+  tiers = {p["what"]: (p["tier"], p["nbytes"]) for p in d["placements"]}
+  assert tiers["layer stack's weights (bf16)"] == ("host", 26_000_000_000)
+  assert tiers["layer stack's gradients"] == ("none", 0)
+  assert tiers["optimizer state and master copy on NVMe"] == ("nvme", nvme)
+  assert sum(p["nbytes"] for p in d["placements"] if p["tier"] == "host") == d["host_total_bytes"]
+  # The same plan as text says where each item went and why, and how to run it.
+  assert cli.main([*GOAL, "--nvme-dir", str(tmp_path / "run1")]) == 0
+  out = capsys.readouterr().out
+  assert "fits: yes" in out and "update in the backward pass (oo.value_and_update)" in out
+  assert "18.00 GiB that JAX may take: 0.75 of the 24.00 GiB card" in out
+  assert "host: 48.00 GiB of --host-memory 48.00 GiB" in out
+  assert "no setting needed" in out
+  assert f"oo.offload(..., host_limit={host}, nvme_dir=DIR)" in out
+  assert "weights on NVMe are not implemented" in out  # the reason the weights are in RAM
+
+
+def test_the_consumer_story_from_help_alone(tmp_path, two_tb, capsys):
+  # "a 24 GB GPU, 64 GB of RAM, a 2 TB drive": the help's first example, as a user types it.
+  help_text = cli._parser()._subparsers._group_actions[0].choices["plan"].format_help()
+  assert "--host-memory 48GiB" in help_text and "the GPU card's memory" in help_text
+  argv = [*GOAL[:10], "--device-memory", "24GB", "--host-memory", "48GiB"]
+  d = _json([*argv, "--nvme-dir", str(tmp_path)], capsys)
+  assert d["fits"] and d["bytes_per_tier"]["host"] <= 48 * GiB
+  assert d["bytes_per_tier"]["device"] <= int(0.75 * 24e9)
+  assert d["pinned_pool"]["setting"] is None
+
+
+def test_weights_and_grads_stay_in_host_memory_when_they_fit(two_tb):
+  # 128 GiB: the stack's weights and gradients (52e9 B) fit, so the update runs after the
+  # backward pass (auto) and the state takes what is left.
+  e = oo.estimate(
+    "13B", param_dtype="bf16", master_dtype="fp32", weights_on="host", layers=40,
+    device_memory="24GiB", memory_fraction=0.75, host_memory="128GiB", nvme_dir="/tmp",
+  )  # fmt: skip
+  assert not e.update_in_backward and e.host_weight_bytes == 52_000_000_000
+  assert e.nvme_buffer_bytes == HAND_BUFFERS
+  assert e.host_bytes == 128 * GiB - 52_000_000_000 - HAND_BUFFERS
+  assert e.host_total_bytes == 128 * GiB and e.fits
+
+
+def test_weights_that_do_not_fit_the_host_budget_never_fit(two_tb, capsys):
+  argv = [*GOAL[:13], "20GiB", "--nvme-size", "2TB"]
+  assert cli.main(argv) == 1
+  out = capsys.readouterr().out
+  assert "fits: NO" in out and "fits: yes" not in out
+  assert "weights, gradients and accumulators on NVMe are not implemented" in out
+  # All the state on NVMe: 26e9 B of weights + buffers 2 * 3.9e9 + 2 * 966_367_641 = 35.73e9 B.
+  assert fused_buffers(STATE) == 9_732_735_282
+  assert "raise --host-memory to at least 33.28 GiB" in out
+
+
+def test_refusing_the_update_in_backward_leaves_no_room_for_the_grads(capsys):
+  d = _json([*GOAL, "--nvme-size", "2TB", "--update-in-backward", "no"], capsys, status=1)
+  assert not d["update_in_backward"]
+  (short,) = d["shortfalls"]
+  assert short["tier"] == "host" and short["needed"] == 52_000_000_000 + HAND_BUFFERS
+  assert "--update-in-backward yes" in short["advice"]
+
+
+def test_accumulators_count_against_the_host_budget(capsys):
+  # fp32 accumulators, 4 B x 13e9 = 52e9 B: they do not fit beside the weights in 48 GiB.
+  d = _json([*GOAL, "--nvme-size", "2TB", "--accumulate", "8"], capsys, status=1)
+  assert d["update_in_backward"] and d["accumulator_bytes"] == 52_000_000_000
+  assert "--accumulate 1" in d["shortfalls"][0]["advice"]
+  # With 128 GiB they do; accumulating chose the update in the backward pass.
+  d = _json([*GOAL[:13], "128GiB", "--nvme-size", "2TB", "--accumulate", "8"], capsys)
+  assert d["fits"] and "accumulate=8" in d["update_in_backward_reason"]
+  assert d["nvme_buffer_bytes"] == fused_buffers(d["nvme_bytes"])
+  assert 128 * GiB - 8192 < d["host_total_bytes"] <= 128 * GiB
+  assert d["host_total_bytes"] == (
+    26_000_000_000 + 52_000_000_000 + d["host_bytes"] + d["nvme_buffer_bytes"]
+  )
+  # On the device: 7 + 4 layers of bf16 weights and grads, 3 layers of fp32 accumulator rows
+  # (325e6 params a layer), and the window.
+  assert d["bytes_per_tier"]["device"] == 11 * 650_000_000 + 3 * 4 * 325_000_000 + HAND_WINDOW
+  # Per step the weights cross the link 2 x 8 + 1 times, the accumulators 2 x 7, the state twice.
+  assert d["link_bytes"] == 2 * 156_000_000_000 + 17 * 26_000_000_000 + 14 * 52_000_000_000
+
+
+def test_the_pinned_pool_setting_is_named(monkeypatch, capsys):
+  # 7B bf16 with an fp32 master copy: 12 B x 7e9 = 84e9 B of state, all in host memory, more
+  # than JAX's 64 GiB pool, so the plan names the setting: ceil(84e9 / 2**30) = 79.
+  argv = ["plan", "7B", "--param-dtype", "bf16", "--master-dtype", "fp32", "--host-memory", "96GiB"]
+  d = _json(argv, capsys)
+  assert d["pinned_bytes"] == 84_000_000_000
+  assert d["pinned_pool"]["setting"] == "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=79"
+  assert cli.main(argv) == 0
+  assert (
+    "set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=79 (or more) before JAX starts"
+    in capsys.readouterr().out
+  )
+  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "80")
+  assert _json(argv, capsys)["pinned_pool"]["setting"] is None
+
+
+def test_device_memory_is_the_card_and_jax_takes_its_fraction(monkeypatch, capsys):
+  argv = ["plan", "1B", "--device-memory", "24GiB"]
+  assert _json(argv, capsys)["device_memory"] == int(0.75 * 24 * GiB)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".95")
+  d = _json(argv, capsys)
+  assert (d["device_memory"], d["memory_fraction"]) == (int(0.95 * 24 * GiB), 0.95)
+  assert cli.main(argv) == 0
+  assert (
+    "0.95 of the 24.00 GiB card (XLA_PYTHON_CLIENT_MEM_FRACTION=.95)" in capsys.readouterr().out
+  )
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "most")
+  with pytest.raises(SystemExit) as exc:
+    cli.main(argv)
+  assert exc.value.code == 2 and "XLA_PYTHON_CLIENT_MEM_FRACTION" in capsys.readouterr().err
+  # The Python API keeps device_memory as what JAX may take unless a fraction is given.
+  assert oo.estimate("1B", device_memory="24GiB").device_memory == 24 * GiB
+
+
+def test_nvme_dir_is_checked(tmp_path, capsys, monkeypatch):
+  a_file = tmp_path / "file"
+  a_file.write_text("x")
+  for bad, message in (
+    (a_file, "exists and is not a directory"),
+    (a_file / "run1", "cannot be created"),
+  ):
+    with pytest.raises(SystemExit) as exc:
+      cli.main(["plan", "1B", "--nvme-dir", str(bad)])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+  # A directory still to be created is fine, and is not created by planning.
+  assert cli.main(["plan", "1B", "--nvme-dir", str(tmp_path / "new" / "run1")]) == 0
+  assert not (tmp_path / "new").exists()
+  capsys.readouterr()
+  # Its free space bounds --nvme-size.
+  monkeypatch.setattr(estimate_lib, "free_disk", lambda path: 100 * GiB)
+  d = _json([*GOAL, "--nvme-dir", str(tmp_path), "--nvme-size", "2TB"], capsys, status=1)
+  (short,) = d["shortfalls"]
+  assert short["tier"] == "nvme" and short["available"] == 100 * GiB
+  assert short["needed"] == 4 * d["nvme_bytes"] and d["nvme_bytes"] > 139e9
+
+
+def test_host_memory_with_shapes_places_the_stack_weights_first(tmp_path):
+  # A stack of 8 layers of 512 x 512 bf16 in pinned host memory and a head on the device; the
+  # budget holds the weights, the buffers and part of the state.
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+  params = {
+    "layers": jax.ShapeDtypeStruct((8, 512, 512), jnp.bfloat16, sharding=host),
+    "head": jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
+  }
+  weights = 8 * 512 * 512 * 2  # 4 MiB; the state, 12 B/param, is 30 MiB with the head's
+  budget = weights + (24 << 20)
+  e = oo.estimate(
+    params, master_dtype="fp32", window_bytes="16MiB", host_memory=budget, nvme_size="1GB",
+    update_in_backward=True,
+  )  # fmt: skip
+  assert e.update_in_backward and e.host_weight_bytes == weights
+  assert e.nvme_bytes > 0 and e.host_bytes > 0
+  assert e.host_total_bytes <= budget and e.fits
+  assert e.host_bytes + e.nvme_bytes == e.offloaded_bytes
+
+
+def test_bad_budget_options(capsys):
+  for argv, message in (
+    ([*GOAL, "--host-memory", "lots"], "Could not parse host_memory"),
+    (["plan", "7B", "--update-in-backward", "yes"], "needs a layer stack"),
+    (["plan", "7B", "--accumulate", "4"], "--weights-on host --layers N"),
+    (["plan", "7B", "--accumulate", "0"], "accumulate must be an int >= 1"),
+    (["plan", "7B", "--host-memory-band", "5GB"], "unrecognized arguments: --host-memory-band"),
+  ):
+    with pytest.raises(SystemExit) as exc:
+      cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err, argv
+
+
+def test_fused_nvme_buffers_from_shapes_hold_two_row_slices():
+  # A stack of 8 rows of 512 x 512 bf16, its state on NVMe: 3 MiB of fp32 master and moments per
+  # row, 1 MiB of bf16 weights and gradients moving with it. A 9.5 MiB window holds groups of
+  # 9.5 / 2.25 = 4.2 MiB: one row each (4 MiB with its weights and gradients). The update in the
+  # backward pass holds the groups of a pair of rows (2 x 3 MiB), beside one group read ahead and
+  # one written behind (2 x 4 MiB): 14 MiB; weights 4 MiB; 18 MiB in all.
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+  params = {"layers": jax.ShapeDtypeStruct((8, 512, 512), jnp.bfloat16, sharding=host)}
+  kwargs = dict(master_dtype="fp32", host_memory="24MiB", nvme_size="1GB")
+  e = oo.estimate(params, window_bytes="9.5MiB", update_in_backward=True, **kwargs)
+  MiB = 2**20
+  assert len(e.plan.units) == 8 and e.nvme_bytes == 24 * MiB and e.host_bytes == 0
+  assert e.nvme_buffer_bytes == 14 * MiB and e.host_total_bytes == 18 * MiB and e.fits
+  # After the backward pass instead: 3 groups of 4 MiB, and the gradients (4 MiB) in host memory.
+  e = oo.estimate(params, window_bytes="9.5MiB", update_in_backward=False, **kwargs)
+  assert e.nvme_buffer_bytes == 12 * MiB and e.host_total_bytes == 4 * MiB + 4 * MiB + 12 * MiB
