@@ -297,9 +297,18 @@ class ChunkIO:
       self._staging.put(staging)
 
   def _write_file(self, job: WriteJob, staging: np.ndarray, direct: bool) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+    # No O_TRUNC: a file of a spare generation (`files.Spares`) is written over in place, keeping its
+    # blocks; one that a checkpoint hard-linked is replaced instead, since its data must not change.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
     fd = os.open(job.path, flags, 0o644)
     try:
+      stat = os.fstat(fd)
+      if stat.st_nlink > 1:
+        os.close(fd)
+        fd = -1
+        os.unlink(job.path)
+        fd = os.open(job.path, flags | os.O_EXCL, 0o644)
+        stat = os.fstat(fd)
       if direct and self._mem_align is None:
         self._mem_align = dio_memory_alignment(fd)
       digest = xxhash.xxh3_64()
@@ -321,13 +330,14 @@ class ChunkIO:
         staging[m:end] = 0
         digest.update(staging[:n])
         _pwrite_all(fd, staging[:end], position)
-      if direct and size % ALIGN:
+      if (direct and size % ALIGN) or stat.st_size > size:
         os.ftruncate(fd, size)
       if not direct:
         files.start_writeback(fd)
       job.checksum = digest.hexdigest()
     finally:
-      os.close(fd)
+      if fd >= 0:
+        os.close(fd)
 
   def _aligned(self, piece: np.ndarray) -> bool:
     """Whether direct I/O takes `piece`'s memory as it is (so it needs no staging copy)."""

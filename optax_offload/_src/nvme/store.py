@@ -232,6 +232,7 @@ class NvmeStore:
   def _remove_unpublished(self, generations: generations_lib.Generations) -> None:
     """Deletes generations that were never committed (a crash or failure mid-write) or left over."""
     (self._dir / (format_lib.MANIFEST + ".tmp")).unlink(missing_ok=True)
+    files.Spares(self._dir).remove_all()
     keep = set(generations.committed.on_disk)
     files.remove_generations(self._dir, keep, "NVMe store %s: deleting uncommitted or stale %s.")
 
