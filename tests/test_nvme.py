@@ -28,6 +28,7 @@ from optax_offload._src.nvme import LeafSpec
 from optax_offload._src.nvme import NvmeCorruptionError
 from optax_offload._src.nvme import NvmeStore
 from optax_offload._src.nvme import NvmeWriteError
+from optax_offload._src.nvme import files as nvme_files
 from optax_offload._src.nvme import format as nvme_format
 
 # Small chunks so that the bigger leaves span several chunk files.
@@ -586,6 +587,18 @@ def test_dropped_generations_are_written_over_in_place(tmp_path, direct_io):
   with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK, direct_io=direct_io) as store:
     _assert_bit_equal(store.read_generation(), reference)
     _run_protocol(store, _GROUPS, reference, start=5, steps=1)
+
+
+def test_a_spare_is_kept_only_within_the_bound_of_generations_on_disk(tmp_path):
+  for g in range(5):
+    (tmp_path / nvme_format.generation_dirname(g) / "leaf").mkdir(parents=True)
+  spares = nvme_files.Spares(tmp_path, limit=4)
+  spares.retire(tmp_path / nvme_format.generation_dirname(0))  # 4 left: deleted, not kept
+  assert _spare_dirs(tmp_path) == [] and len(_gen_dirs(tmp_path)) == 4
+  spares.retire(tmp_path / nvme_format.generation_dirname(1))  # 3 left + the spare
+  assert _spare_dirs(tmp_path) == ["spare_gen_00000001"]
+  spares.retire(tmp_path / nvme_format.generation_dirname(2))  # replaces the older spare
+  assert _spare_dirs(tmp_path) == ["spare_gen_00000002"] and len(_gen_dirs(tmp_path)) == 2
 
 
 def test_reuse_leaves_hard_linked_files_alone(tmp_path):

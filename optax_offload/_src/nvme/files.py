@@ -273,9 +273,11 @@ class Spares:
   with ``O_DIRECT`` and fsync: 0.85-1.05 s fresh, 0.66-0.69 s overwritten; measured once here with
   ``/tmp`` scripts). So a dropped generation is renamed ``spare_gen_*`` instead, and a leaf of a new
   generation takes its old directory by one rename; `chunk_io` then writes the chunk files over in
-  place, except files with other hard links (a checkpoint's), which it replaces. At most one spare:
-  the older one's leftovers are deleted when another generation is dropped. Spares are never read;
-  opening and closing a store delete them.
+  place, except files with other hard links (a checkpoint's), which it replaces. At most one spare
+  (the older one's leftovers are deleted when another generation is dropped), and only while it and
+  the generation directories number at most `limit`, so the store's disk bound holds (a leaf a new
+  generation takes from the spare moves its blocks; it adds none). Spares are never read; opening
+  and closing a store delete them.
 
   Examples:
     >>> import tempfile
@@ -293,17 +295,20 @@ class Spares:
     ['gen_00000002']
   """
 
-  def __init__(self, directory: pathlib.Path):
-    self._dir = directory
+  def __init__(self, directory: pathlib.Path, limit: int = 4):
+    self._dir, self._limit = directory, limit
     self._lock = threading.Lock()
     self._spare: pathlib.Path | None = None
     self.reused = 0
     """Leaf directories taken so far."""
 
   def retire(self, generation_dir: pathlib.Path) -> None:
-    """Keeps a dropped generation's directory as the spare (deleting it if it cannot be renamed)."""
+    """Keeps a dropped generation's directory as the spare, or deletes it (see `Spares`)."""
     target = self._dir / (format_lib.SPARE_PREFIX + generation_dir.name)
     try:
+      others = [e for e in os.listdir(self._dir) if format_lib.generation_of(e) is not None]
+      if len(others) > self._limit:  # `others` includes the dropped generation: one is the spare
+        raise OSError(errno.ENOSPC, "over the store's bound of generations on disk")
       os.rename(generation_dir, target)
     except OSError:
       remove_tree(generation_dir)
