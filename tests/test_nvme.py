@@ -28,6 +28,7 @@ from optax_offload._src.nvme import LeafSpec
 from optax_offload._src.nvme import NvmeCorruptionError
 from optax_offload._src.nvme import NvmeStore
 from optax_offload._src.nvme import NvmeWriteError
+from optax_offload._src.nvme import chunk_io
 from optax_offload._src.nvme import files as nvme_files
 from optax_offload._src.nvme import format as nvme_format
 
@@ -193,7 +194,7 @@ def test_aligned_arrays_are_written_without_a_staging_copy(tmp_path):
   groups = [[LeafSpec("a", (64, 1024), np.float32)], [LeafSpec("b", (3, 1024), np.float32)]]
   with NvmeStore(tmp_path, groups, chunk_bytes=64 << 10) as store:
     probe = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
-    alignment = nvme.chunk_io.dio_memory_alignment(probe)
+    alignment = chunk_io.dio_memory_alignment(probe)
     os.close(probe)
     if not alignment:
       pytest.skip(f"the file system of {tmp_path} does not say which memory direct I/O takes")
@@ -583,6 +584,11 @@ def test_dropped_generations_are_written_over_in_place(tmp_path, direct_io):
     assert _gen_dirs(tmp_path) == ["gen_00000004", "gen_00000005"]
     assert len(_spare_dirs(tmp_path)) <= 1
     _assert_bit_equal(store.read_generation(), reference)
+    for group in _GROUPS:  # TensorStore reads the files written over in place
+      for spec in group:
+        path = str(store.leaf_path(5, spec.name))
+        array = ts.open(nvme.zarr3_read_spec(path), context=nvme.ts_context()).result()
+        assert array.read().result().tobytes() == reference[spec.name].tobytes(), spec.name
   assert _spare_dirs(tmp_path) == []  # deleted at close
   with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK, direct_io=direct_io) as store:
     _assert_bit_equal(store.read_generation(), reference)
@@ -599,6 +605,21 @@ def test_a_spare_is_kept_only_within_the_bound_of_generations_on_disk(tmp_path):
   assert _spare_dirs(tmp_path) == ["spare_gen_00000001"]
   spares.retire(tmp_path / nvme_format.generation_dirname(2))  # replaces the older spare
   assert _spare_dirs(tmp_path) == ["spare_gen_00000002"] and len(_gen_dirs(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "page_cache"])
+def test_a_longer_file_written_over_is_cut_to_size(tmp_path, direct_io):
+  path = tmp_path / "c"
+  path.write_bytes(b"x" * 3 * 4096)
+  io = chunk_io.ChunkIO(threads=1, direct=direct_io)
+  try:
+    job = chunk_io.WriteJob(str(path), np.arange(10, dtype=np.uint8), file_nbytes=16)
+    io.write([job])
+    assert path.read_bytes() == bytes(range(10)) + bytes(6)
+    read = chunk_io.ReadJob(str(path), 16, job.checksum, target=np.empty(10, np.uint8))
+    io.read([read])
+  finally:
+    io.shutdown()
 
 
 def test_reuse_leaves_hard_linked_files_alone(tmp_path):
