@@ -22,6 +22,10 @@ aligned as the array being written, whole pieces are written straight from the a
 staging copy: NVMe drives take 4-byte-aligned memory since Linux 6.0, so the 64-byte-aligned
 buffers JAX hands over qualify there; this VM's virtio disk wants 512, so they are staged here.
 
+Chunk files are opened without ``O_TRUNC`` and written over, so that a file of a dropped
+generation (`files.Spares`) keeps its blocks; a file with another hard link (a checkpoint's) is
+replaced instead, and a longer one is cut to size.
+
 Direct I/O falls back to the page cache, once per store and with a warning, where the file system
 refuses it (``EINVAL``); `ChunkIO` can also be made without it.
 """
