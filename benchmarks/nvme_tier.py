@@ -496,7 +496,8 @@ def _print_size(r: dict) -> None:
       f"{rep['raw_read_GBps']:.2f} GB/s), read "
       f"{s['bytes_read'] / GB:.2f} GB, written {s['bytes_written'] / GB:.2f} GB, fetches {s['fetches']} "
       f"(prefetch hits {s['prefetch_hits']}, buffer hits {s['buffer_hits']}, misses {s['misses']}, "
-      f"waits {s['waits']})"
+      f"waits {s['waits']}), commit {s.get('commit_ns', 0) / 1e6:.0f} ms, leaves written over a "
+      f"dropped generation's files {s.get('leaves_reused', '-')}"
     )
     print(f"    CPU s by thread: {rep['cpu_s_by_thread']}")
 

@@ -28,6 +28,8 @@ from optax_offload._src.nvme import LeafSpec
 from optax_offload._src.nvme import NvmeCorruptionError
 from optax_offload._src.nvme import NvmeStore
 from optax_offload._src.nvme import NvmeWriteError
+from optax_offload._src.nvme import chunk_io
+from optax_offload._src.nvme import files as nvme_files
 from optax_offload._src.nvme import format as nvme_format
 
 # Small chunks so that the bigger leaves span several chunk files.
@@ -192,7 +194,7 @@ def test_aligned_arrays_are_written_without_a_staging_copy(tmp_path):
   groups = [[LeafSpec("a", (64, 1024), np.float32)], [LeafSpec("b", (3, 1024), np.float32)]]
   with NvmeStore(tmp_path, groups, chunk_bytes=64 << 10) as store:
     probe = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
-    alignment = nvme.chunk_io.dio_memory_alignment(probe)
+    alignment = chunk_io.dio_memory_alignment(probe)
     os.close(probe)
     if not alignment:
       pytest.skip(f"the file system of {tmp_path} does not say which memory direct I/O takes")
@@ -557,6 +559,90 @@ def test_pin_keeps_a_generation(tmp_path):
     assert _gen_dirs(tmp_path) == ["gen_00000003", "gen_00000004"]
     with pytest.raises(ValueError, match="not a committed generation"):
       store.pin(1)
+
+
+def _spare_dirs(directory) -> list[str]:
+  return sorted(p.name for p in pathlib.Path(directory).iterdir() if p.name.startswith("spare_"))
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "page_cache"])
+def test_dropped_generations_are_written_over_in_place(tmp_path, direct_io):
+  values = _values(_GROUPS, 11)
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK, direct_io=direct_io) as store:
+    store.write_initial(0, values)
+    reference = _run_protocol(store, _GROUPS, dict(values), start=0, steps=1)
+    store.sync()
+    inodes = {p.stat().st_ino for p in _chunk_files(store, 0, "big")}
+    reference = _run_protocol(store, _GROUPS, reference, start=1, steps=4)
+    store.sync()
+    # Generation 0's chunk files hold a later generation's data now: same inodes, new contents.
+    now = {p.stat().st_ino for p in tmp_path.rglob("*") if p.is_file() and "/c/" in str(p)}
+    assert inodes <= now
+    # Writing generation g waits for g - 2's commit, which dropped g - 4: generations 4 and 5
+    # take every leaf from a spare (earlier ones may, depending on the threads' timing).
+    assert store.stats["leaves_reused"] >= 2 * 5
+    assert _gen_dirs(tmp_path) == ["gen_00000004", "gen_00000005"]
+    assert len(_spare_dirs(tmp_path)) <= 1
+    _assert_bit_equal(store.read_generation(), reference)
+    for group in _GROUPS:  # TensorStore reads the files written over in place
+      for spec in group:
+        path = str(store.leaf_path(5, spec.name))
+        array = ts.open(nvme.zarr3_read_spec(path), context=nvme.ts_context()).result()
+        assert array.read().result().tobytes() == reference[spec.name].tobytes(), spec.name
+  assert _spare_dirs(tmp_path) == []  # deleted at close
+  with NvmeStore(tmp_path, _GROUPS, chunk_bytes=_CHUNK, direct_io=direct_io) as store:
+    _assert_bit_equal(store.read_generation(), reference)
+    _run_protocol(store, _GROUPS, reference, start=5, steps=1)
+
+
+def test_a_spare_is_kept_only_within_the_bound_of_generations_on_disk(tmp_path):
+  for g in range(5):
+    (tmp_path / nvme_format.generation_dirname(g) / "leaf").mkdir(parents=True)
+  spares = nvme_files.Spares(tmp_path, limit=4)
+  spares.retire(tmp_path / nvme_format.generation_dirname(0))  # 4 left: deleted, not kept
+  assert _spare_dirs(tmp_path) == [] and len(_gen_dirs(tmp_path)) == 4
+  spares.retire(tmp_path / nvme_format.generation_dirname(1))  # 3 left + the spare
+  assert _spare_dirs(tmp_path) == ["spare_gen_00000001"]
+  spares.retire(tmp_path / nvme_format.generation_dirname(2))  # replaces the older spare
+  assert _spare_dirs(tmp_path) == ["spare_gen_00000002"] and len(_gen_dirs(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "page_cache"])
+def test_a_longer_file_written_over_is_cut_to_size(tmp_path, direct_io):
+  path = tmp_path / "c"
+  path.write_bytes(b"x" * 3 * 4096)
+  io = chunk_io.ChunkIO(threads=1, direct=direct_io)
+  try:
+    job = chunk_io.WriteJob(str(path), np.arange(10, dtype=np.uint8), file_nbytes=16)
+    io.write([job])
+    assert path.read_bytes() == bytes(range(10)) + bytes(6)
+    read = chunk_io.ReadJob(str(path), 16, job.checksum, target=np.empty(10, np.uint8))
+    io.read([read])
+  finally:
+    io.shutdown()
+
+
+def test_reuse_leaves_hard_linked_files_alone(tmp_path):
+  """A checkpoint hard-links a pinned generation's files; reusing them later must not change them."""
+  values = _values(_GROUPS, 12)
+  linked = tmp_path / "checkpoint"
+  with NvmeStore(tmp_path / "store", _GROUPS, chunk_bytes=_CHUNK) as store:
+    store.write_initial(0, values)
+    reference = _run_protocol(store, _GROUPS, dict(values), start=0, steps=1)
+    store.pin(1)
+    saved = dict(reference)
+    leaf_dir = store.leaf_path(1, "big")
+    for path in leaf_dir.rglob("*"):
+      if path.is_file():
+        (linked / path.relative_to(leaf_dir)).parent.mkdir(parents=True, exist_ok=True)
+        os.link(path, linked / path.relative_to(leaf_dir))
+    store.unpin(1)
+    reference = _run_protocol(store, _GROUPS, reference, start=1, steps=4)
+    store.sync()
+    assert store.stats["leaves_reused"] > 0
+    _assert_bit_equal(store.read_generation(), reference)
+  box = nvme.read_region(linked, (6000,), [(0, 6000)])
+  assert box.tobytes() == saved["big"].tobytes()
 
 
 def test_new_generation_only_from_the_newest_or_its_parent(tmp_path):

@@ -22,6 +22,10 @@ aligned as the array being written, whole pieces are written straight from the a
 staging copy: NVMe drives take 4-byte-aligned memory since Linux 6.0, so the 64-byte-aligned
 buffers JAX hands over qualify there; this VM's virtio disk wants 512, so they are staged here.
 
+Chunk files are opened without ``O_TRUNC`` and written over, so that a file of a dropped
+generation (`files.Spares`) keeps its blocks; a file with another hard link (a checkpoint's) is
+replaced instead, and a longer one is cut to size.
+
 Direct I/O falls back to the page cache, once per store and with a warning, where the file system
 refuses it (``EINVAL``); `ChunkIO` can also be made without it.
 """
@@ -297,9 +301,18 @@ class ChunkIO:
       self._staging.put(staging)
 
   def _write_file(self, job: WriteJob, staging: np.ndarray, direct: bool) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+    # No O_TRUNC: a file of a spare generation (`files.Spares`) is written over in place, keeping its
+    # blocks; one that a checkpoint hard-linked is replaced instead, since its data must not change.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
     fd = os.open(job.path, flags, 0o644)
     try:
+      stat = os.fstat(fd)
+      if stat.st_nlink > 1:
+        os.close(fd)
+        fd = -1
+        os.unlink(job.path)
+        fd = os.open(job.path, flags | os.O_EXCL, 0o644)
+        stat = os.fstat(fd)
       if direct and self._mem_align is None:
         self._mem_align = dio_memory_alignment(fd)
       digest = xxhash.xxh3_64()
@@ -321,13 +334,14 @@ class ChunkIO:
         staging[m:end] = 0
         digest.update(staging[:n])
         _pwrite_all(fd, staging[:end], position)
-      if direct and size % ALIGN:
+      if (direct and size % ALIGN) or stat.st_size > size:
         os.ftruncate(fd, size)
       if not direct:
         files.start_writeback(fd)
       job.checksum = digest.hexdigest()
     finally:
-      os.close(fd)
+      if fd >= 0:
+        os.close(fd)
 
   def _aligned(self, piece: np.ndarray) -> bool:
     """Whether direct I/O takes `piece`'s memory as it is (so it needs no staging copy)."""

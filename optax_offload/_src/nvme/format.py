@@ -29,6 +29,9 @@ from optax_offload._src.nvme.errors import NvmeError
 
 MANIFEST = "MANIFEST.json"
 LOCK = "LOCK"
+SPARE_PREFIX = "spare_"
+"""A dropped generation's directory kept for its files (``spare_gen_00000042``): not a generation,
+never read; the next writes overwrite its chunk files in place (`files.Spares`)."""
 FORMAT = "optax_offload.nvme"
 FORMAT_VERSION = 2
 """1: a ``crc32c`` codec in every chunk (read through TensorStore). 2: checksums in ``zarr.json``."""

@@ -224,8 +224,18 @@ def write_leaves(
   leaves: Sequence[format_lib.StoredLeaf],
   arrays: Sequence[np.ndarray],
   generation_bytes: int,
+  reuse: Callable[[str, pathlib.Path], bool] | None = None,
 ) -> None:
   """Writes `arrays` as `leaves` of one generation (not yet durable: the commit fsyncs them).
+
+  Args:
+    io: the chunk writer.
+    generation_dir: the generation's directory.
+    leaves: the leaves to write.
+    arrays: their arrays.
+    generation_bytes: one generation's size (for the message of a full disk).
+    reuse: moves an old directory of a leaf to the given path, whose chunk files are then written
+      over in place (`files.Spares.take`); returns False when it has none.
 
   Raises:
     NvmeWriteError: a write failed; a full disk says how much room the store needs (`generation_bytes`
@@ -241,6 +251,9 @@ def write_leaves(
     flat = data.reshape(-1).view(np.uint8)
     layout = leaf.layout
     try:
+      if reuse is not None and not path.exists():
+        os.makedirs(generation_dir, exist_ok=True)
+        reuse(leaf.dirname, path)
       for parent in sorted({os.path.dirname(chunk.key) for chunk in layout.chunks} | {""}):
         os.makedirs(path / parent, exist_ok=True)
     except OSError as e:
@@ -260,8 +273,11 @@ def write_leaves(
       leaf.spec.shape, leaf.zarr_dtype, leaf.chunk_shape, by_leaf.get(id(leaf), [])
     )
     try:
-      with open(path / format_lib.ZARR_JSON, "w") as f:
+      # A new file, renamed over the old one: a reused leaf's zarr.json may be a checkpoint's too.
+      tmp = path / (format_lib.ZARR_JSON + ".tmp")
+      with open(tmp, "w") as f:
         json.dump(doc, f, separators=(",", ":"))
+      os.replace(tmp, path / format_lib.ZARR_JSON)
     except OSError as e:
       raise _write_error(leaf, path, generation_dir, e, generation_bytes) from e
 

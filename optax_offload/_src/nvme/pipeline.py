@@ -58,10 +58,12 @@ STAT_KEYS = (
   "write_ns",
   "commit_ns",
   "bytes_written_zero_copy",
+  "leaves_reused",
 )
 """``read_ns``, ``write_ns`` and ``commit_ns``: wall nanoseconds spent reading groups (fetches and
 prefetches), writing groups and committing generations; bytes over them is the data path's speed.
-``bytes_written_zero_copy``: chunk bytes written straight from the put arrays (`chunk_io`)."""
+``bytes_written_zero_copy``: chunk bytes written straight from the put arrays (`chunk_io`).
+``leaves_reused``: leaves written over the files of a dropped generation (`files.Spares`)."""
 
 
 @dataclasses.dataclass
@@ -155,6 +157,7 @@ class Pipeline:
     # Prefetched groups, plus the group the caller is consuming.
     self.read_buffers = buffers_lib.ReadBuffers((prefetch_depth + 1) * max(self.group_buffer_bytes))
     self._fsync_pool = files.WorkerPool()
+    self.spares = files.Spares(directory)
     self._threads = [threading.Thread(target=self._writer_loop, name="nvme-writer", daemon=True)]
     self._threads.append(
       threading.Thread(target=self._committer_loop, name="nvme-committer", daemon=True)
@@ -307,6 +310,7 @@ class Pipeline:
         thread.join()
     self._fsync_pool.shutdown()
     self.io.shutdown()
+    self.spares.remove_all()
     if error is not None:
       raise error
 
@@ -445,18 +449,20 @@ class Pipeline:
 
   def write_group(self, op: _Write) -> None:
     """Writes one queued group (the writer thread's work; tests replace it to slow the writer)."""
-    start, zero_copy = time.perf_counter_ns(), self.io.zero_copy_bytes
+    start, zero_copy, reused = time.perf_counter_ns(), self.io.zero_copy_bytes, self.spares.reused
     leaf_io.write_leaves(
       self.io,
       self.generation_path(op.generation),
       self.leaves[op.group],
       op.arrays,
       self.bytes_per_generation(),
+      reuse=self.spares.take,
     )
     with self.cond:
       self.stats["bytes_written"] += sum(a.nbytes for a in op.arrays)
       self.stats["write_ns"] += time.perf_counter_ns() - start
       self.stats["bytes_written_zero_copy"] += self.io.zero_copy_bytes - zero_copy
+      self.stats["leaves_reused"] += self.spares.reused - reused
 
   def write_manifest(self) -> None:
     """Atomically publishes the committed state (called with the state already updated in memory)."""
@@ -507,7 +513,7 @@ class Pipeline:
       while any(self._readers[k] for k in list(self._readers) if k[1] in generations):
         self.cond.wait()
     for generation in generations:
-      files.remove_tree(self.generation_path(generation))
+      self.spares.retire(self.generation_path(generation))
 
   def _run_pin(self, op: _Pin) -> None:
     with self.cond:

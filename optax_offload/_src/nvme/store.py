@@ -97,7 +97,9 @@ class NvmeStore:
 
   Disk: the last two committed generations, pinned ones, and at most two more in flight (generation
   ``g + 1`` is written while ``g`` is fsynced; writing ``g + 2`` waits for ``g``'s commit): plan for
-  ``4 * bytes_on_disk()`` plus pins; ``3 *`` suffices when commits keep up with writes.
+  ``4 * bytes_on_disk()`` plus pins; ``3 *`` suffices when commits keep up with writes. A dropped
+  generation is kept, within those four, as a spare whose files the next generation overwrites in
+  place (no block freed and allocated again each step; see `files.Spares`).
 
   Threads: a writer, a committer (fsync, manifest, deletion; with a few fsync threads) and, if
   ``prefetch_depth > 0``, a prefetcher; all daemons, waiting on one condition variable; and
@@ -232,6 +234,7 @@ class NvmeStore:
   def _remove_unpublished(self, generations: generations_lib.Generations) -> None:
     """Deletes generations that were never committed (a crash or failure mid-write) or left over."""
     (self._dir / (format_lib.MANIFEST + ".tmp")).unlink(missing_ok=True)
+    files.Spares(self._dir).remove_all()
     keep = set(generations.committed.on_disk)
     files.remove_generations(self._dir, keep, "NVMe store %s: deleting uncommitted or stale %s.")
 
