@@ -476,11 +476,6 @@ class _Step:
     layout = layout_lib.StateLayout(off.inner, jax.tree.structure(tuple(stack_leaves)))
     tiers = tuple(setup.array_tiers[i] for i in stack_leaves)
     on_nvme = s in self.nvme_stacks
-    # NVMe-tier rows arrive on the device by the layer callbacks: device-tier arrays to the update
-    # (the chunks stay those of offloaded state, as with the host tier: the same bits).
-    run_tiers = tuple(
-      tuple(plan_lib.Tier.DEVICE if t is plan_lib.Tier.NVME else t for t in ts) for ts in tiers
-    )
     dims = tuple(setup.spec.dims[i] for i in stack_leaves)
     specs: dict[int, stream.StreamSpec] = {}
 
@@ -499,29 +494,29 @@ class _Step:
         chunks = tuple(
           setup_lib.row_chunks(unit, infos, tiers, len(plan.units)) for unit in plan.units
         )
-        specs[rows] = stream.StreamSpec(plan.units, run_tiers, dims, chunks)
+        specs[rows] = stream.StreamSpec(plan.units, tiers, dims, chunks)
       return specs[rows]
 
     def update(stack, parts, start, w, g, shared):
       rows = jnp.shape(w[0])[0]
-      fetched = {}
+      spec = spec_for(rows)
+      block = None
       if on_nvme:
+        # The block's NVMe rows arrive by one callback and leave by one; the streamed update
+        # hands them to its groups as `update_and_apply` hands it a group's NVMe arrays.
         parts, token = parts[:-1], _from_f32(parts[-1])
         fetched, token = self.layers.fetch(s, token, start, rows)
+        pos = {i: p for p, i in enumerate(stack_leaves)}
+        block = _BlockRows(spec, {(pos[i], j): x for (i, j), x in fetched.items()}, token)
 
       # Host-tier state arrays stay whole (`row_offset`: their rows are read and written in place
       # by the streamed update); device-tier ones are cut to the rows here and put back after;
-      # NVMe-tier ones are the rows fetched.
-      def view(t, j, a, i):
-        if t is plan_lib.Tier.NVME:
-          return fetched[(i, j)]
+      # NVMe-tier ones are placeholders (their rows come from `block`).
+      def view(t, j, a):
         return lax.dynamic_slice_in_dim(a, start, rows, 0) if t is plan_lib.Tier.DEVICE else a
 
-      views = [
-        setup_lib.map_arrays(part, leaf_tiers, functools.partial(view, i=i))
-        for i, part, leaf_tiers in zip(stack_leaves, parts, tiers)
-      ]
-      new_w, _, new_views, _ = stream.run(
+      views = [setup_lib.map_arrays(part, leaf_tiers, view) for part, leaf_tiers in zip(parts, tiers)]
+      new_w, _, new_views, token = stream.run(
         off.inner,
         layout,
         spec_for(rows),
@@ -531,24 +526,24 @@ class _Step:
         list(w),
         {},
         placement="device",
+        nvme=block,
         apply=True,
         row_offset=start,
       )
-      new_rows = {}
 
-      def back(t, j, v, part, i):
+      def back(t, j, v, part):
         old = jax.tree.leaves(part)[j]
         if t is plan_lib.Tier.NVME:
-          new_rows[(i, j)] = v
           return old  # the placeholder
         return lax.dynamic_update_slice_in_dim(old, v, start, 0) if t is plan_lib.Tier.DEVICE else v
 
       parts = tuple(
-        setup_lib.map_arrays(new_view, leaf_tiers, functools.partial(back, part=part, i=i))
-        for i, part, new_view, leaf_tiers in zip(stack_leaves, parts, new_views, tiers)
+        setup_lib.map_arrays(new_view, leaf_tiers, functools.partial(back, part=part))
+        for part, new_view, leaf_tiers in zip(parts, new_views, tiers)
       )
       stack = tuple(fused_scan._put(buf, start, x) for buf, x in zip(stack, new_w))
       if on_nvme:
+        new_rows = {(stack_leaves[p], j): x for (p, j), x in block.rows().items()}
         token = self.layers.put(s, token, start, new_rows)
         parts = (*parts, _to_f32(token))
       return stack, parts
@@ -651,6 +646,55 @@ class _Begun:
 
   def commit(self, token):
     return token
+
+
+class _BlockRows:
+  """`stream.run`'s NVMe callbacks for one block of layers of a stack, without callbacks: the rows
+  that `TracedLayers.fetch` brought are handed to the block's groups piece by piece, and their new
+  rows collected for one `TracedLayers.put` (`rows`). Keys are (position in the stack, array)."""
+
+  def __init__(self, spec: stream.StreamSpec, fetched: dict[Any, Any], token):
+    self.spec, self.fetched, self.token = spec, fetched, token
+    self.groups = {
+      k: k
+      for k, unit in enumerate(spec.units)
+      if any(plan_lib.Tier.NVME in spec.array_tiers[p.leaf] for p in unit)
+    }
+    self.new: dict[Any, list[tuple[int, Any]]] = {}
+
+  def _nvme(self, k):
+    for p in self.spec.units[k]:
+      for j, t in enumerate(self.spec.array_tiers[p.leaf]):
+        if t is plan_lib.Tier.NVME:
+          yield p, j
+
+  def begin(self, generation, store=None):
+    del generation, store
+    return self.token
+
+  def fetch(self, k, token):
+    out = {}
+    for p, j in self._nvme(k):
+      x = self.fetched[(p.leaf, j)]
+      out[(p.leaf, j)] = x if p.whole else x[p.start : p.stop]
+    return out, token
+
+  def put(self, k, token, parts):
+    for p, j in self._nvme(k):
+      self.new.setdefault((p.leaf, j), []).append((p.start or 0, jax.tree.leaves(parts[p.leaf])[j]))
+    return token
+
+  def commit(self, token):
+    return token
+
+  def rows(self) -> dict[Any, Any]:
+    """The block's new rows of each NVMe array."""
+    return {
+      key: jnp.concatenate([x for _, x in sorted(pieces, key=lambda e: e[0])])
+      if len(pieces) > 1
+      else pieces[0][1]
+      for key, pieces in self.new.items()
+    }
 
 
 def _to_f32(token):

@@ -146,6 +146,11 @@ class TracedLayers:
       names = tier.names[sg]
       got = tier.rendezvous.fetch(device, sg, u.parent, names, then=self._then(u, sg))
       u.new[sg] = [np.array(got[name]) for name in names]  # writable: the new rows go here
+      stats = tier.layer_stats
+      stats["store_fetches"] += 1
+      held = sum(a.nbytes for arrays in u.new.values() for a in arrays)
+      stats["peak_groups_held"] = max(stats["peak_groups_held"], len(u.new))
+      stats["peak_bytes_held"] = max(stats["peak_bytes_held"], held)
     return u.new[sg]
 
   def _describe(self, s: int, start: int, rows: int) -> str:
@@ -181,6 +186,7 @@ class TracedLayers:
     def _fetch(device, token, start):
       tier = self.traced.resolve(int(token[2]))
       start = int(start)
+      tier.layer_stats["fetch_callbacks"] += 1
       try:
         with self._lock:
           u = self._update(tier, token)
@@ -212,6 +218,7 @@ class TracedLayers:
     def _put(device, token, start, *arrays):
       tier = self.traced.resolve(int(token[2]))
       start = int(start)
+      tier.layer_stats["put_callbacks"] += 1
       with self._lock:
         u = self._update(tier, token)
         done = []
@@ -243,6 +250,7 @@ class TracedLayers:
 
   def _put_ready(self, device, tier, u: _Update, ready) -> None:
     for sg, arrays in ready:
+      tier.layer_stats["store_puts"] += 1
       names = tier.names[sg]
       tier.rendezvous.put(device, sg, u.child, dict(zip(names, arrays)), names)
 
