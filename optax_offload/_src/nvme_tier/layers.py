@@ -144,7 +144,14 @@ class TracedLayers:
         raise RuntimeError(f"NVMe tier: store group {sg} of a stack was fetched twice in one update.")
       u.fetched.add(sg)
       names = tier.names[sg]
-      got = tier.rendezvous.fetch(device, sg, u.parent, names, then=self._then(u, sg))
+      try:
+        got = tier.rendezvous.fetch(device, sg, u.parent, names, then=self._then(u, sg))
+      except Exception as e:
+        held = ", ".join(
+          self.paths[key[0]] + ("" if rows is None else f" (layers {rows[0]}-{rows[1] - 1})")
+          for key, rows in tier.members[sg]
+        )
+        raise type(e)(f"the state of {held}: {e}") from e
       u.new[sg] = [np.array(got[name]) for name in names]  # writable: the new rows go here
       stats = tier.layer_stats
       stats["store_fetches"] += 1
@@ -153,10 +160,8 @@ class TracedLayers:
       stats["peak_bytes_held"] = max(stats["peak_bytes_held"], held)
     return u.new[sg]
 
-  def _describe(self, s: int, start: int, rows: int) -> str:
-    leaves = sorted({self.paths[i] for i, _ in self.keys[s]})
-    layers = f"layer {start}" if rows == 1 else f"layers {start}-{start + rows - 1}"
-    return f"{layers} of stack leaves {', '.join(leaves)}"
+  def _describe(self, start: int, rows: int) -> str:
+    return f"layer {start}" if rows == 1 else f"layers {start}-{start + rows - 1}"
 
   # -- traced side ---------------------------------------------------------------------------------
 
@@ -200,8 +205,8 @@ class TracedLayers:
             out.append(np.concatenate(got) if len(got) > 1 else np.array(got[0]))
       except Exception as e:
         raise type(e)(
-          f"value_and_update: reading the optimizer state of {self._describe(s, start, rows)} from "
-          f"NVMe generation {int(token[0])} failed: {e}"
+          f"value_and_update: reading the optimizer state of {self._describe(start, rows)} of a "
+          f"layer stack from NVMe generation {int(token[0])} failed: {e}"
         ) from e
       return [np.asarray(token), *out]
 
