@@ -240,3 +240,41 @@ def test_a_corrupted_layer_is_named(fast_dir):
       jax.block_until_ready(run(cfg, p, tx, state, 1, 1, first=1))
   finally:
     tier.close()
+
+
+def test_the_gpu_program_fetches_and_puts_per_pair_of_layers(fast_dir):
+  # docs/tiers.md "value_and_update with state on NVMe": the fused step with all its state on NVMe,
+  # compiled for the RTX 4090 (24 GB) without a GPU.
+  from helpers import gpu_compile_or_skip
+
+  from optax_offload._src import gpu_program
+
+  gpu_compile_or_skip()
+  cfg, params = decoder(6)
+  tx = make_tx("adamw", window=SMALL_WINDOW, nvme_dir=fast_dir)
+  state = tx.init(params)
+  try:
+    step = oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx)
+    program = gpu_program.compile_for_gpu(
+      step, params, state, batch(0, 1), donate_argnums=(0, 1), target="rtx4090_24gb"
+    )
+  finally:
+    oo.close_nvme(state)
+  schedule, memory = program.schedule, program.memory
+  per_computation = {}
+  for name, instructions in schedule.computations.items():
+    n = sum(1 for i in instructions if i.name in schedule.callbacks)
+    if n:
+      per_computation[name] = (n, schedule.executions(name))
+  # The backward loop (two layers an iteration, 2 iterations for 6 layers: the first pair is
+  # computed before it and updated in it, the last updated after it) holds one fetch and one put;
+  # outside it: begin, the first read-ahead, the last pair's fetch and put, the embedding's and
+  # the head's fetch and put, and the commit.
+  loop = [v for name, v in per_computation.items() if name != schedule.entry]
+  assert loop == [(2, 2)], per_computation
+  assert per_computation[schedule.entry] == (9, 1), per_computation
+  assert not schedule.host_compute
+  # Host memory holds the stack's weights only (6 layers of 41,088 float32s); the state is on disk.
+  assert memory.host == 6 * 41_088 * 4
+  # Device temporaries: measured 2,014,544 bytes (the host-tier program: 1,815,256).
+  assert memory.temp <= 2_100_000, memory
