@@ -17,6 +17,14 @@ the last backward pass.
 Global-norm clipping (``optax.chain(optax.clip_by_global_norm(c), oo.offload(...))``) needs the
 norm before any update: the last backward pass then writes the stack's (accumulated) gradients to
 host memory and sums their squares, and the update runs after it, streamed.
+
+State in the NVMe tier (``offload(..., nvme_dir=..., host_limit=...)``): the step writes one NVMe
+generation (in the pass that updates), begun before that pass's forward and committed after the
+leaves outside the stacks. In the backward pass each block of layers fetches its rows of the
+stack's NVMe arrays by one callback and puts the new rows by one (`nvme_tier.layers`), the disk
+reading ahead in the order the backward needs them; the other leaves' NVMe groups follow, as
+`update_and_apply` streams them (`_Begun`). With clipping the stacks are updated after the backward
+pass, so their NVMe state streams with the other leaves'.
 """
 
 from __future__ import annotations
@@ -156,7 +164,8 @@ def value_and_update(
   Raises:
     TypeError: for a transformation it does not recognise.
     ValueError: when a stack's optimizer state cannot be updated layer by layer.
-    NotImplementedError: for state in the NVMe tier.
+    NotImplementedError: with ``update_on="host"``; with a stack's state in the NVMe tier and
+      params on a mesh of several devices.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optax_offload as oo
