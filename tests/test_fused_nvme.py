@@ -16,7 +16,6 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-
 from conftest import assert_close
 
 import optax_offload as oo
@@ -116,7 +115,9 @@ rows to the update (the same bits each time): XLA:CPU compiles the elementwise u
   CASES,
   ids=[f"{c[0]}-L{c[1]}-k{c[2]}-clip{c[3]}-w{c[4]}-host{c[5]}" for c in CASES],
 )
-def test_nvme_tier_equals_host_tier_bit_for_bit(name, layers, k, clip, window, host_limit, fast_dir):
+def test_nvme_tier_equals_host_tier_bit_for_bit(
+  name, layers, k, clip, window, host_limit, fast_dir
+):
   cfg, params = decoder(layers)
   steps = 3
   host_tx = make_tx(name, clip=clip, window=window)

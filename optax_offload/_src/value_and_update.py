@@ -44,12 +44,12 @@ from jax import lax
 from optax_offload._src import _compat
 from optax_offload._src import fused_scan
 from optax_offload._src import layout as layout_lib
-from optax_offload._src.nvme_tier import layers as nvme_tier_layers
 from optax_offload._src import offload as offload_lib
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
 from optax_offload._src import stream
 from optax_offload._src import tree_setup as setup_lib
+from optax_offload._src.nvme_tier import layers as nvme_tier_layers
 from optax_offload._src.state import OffloadState
 
 logger = logging.getLogger(__name__)
@@ -240,7 +240,9 @@ class _Step:
     if self.traced is not None and self.s.clip is None:
       # (With clipping the stacks are updated after the backward pass, with the other leaves.)
       self.nvme_stacks = {
-        s for s, (leaves_, _) in enumerate(stacks) if any(k[0] in leaves_ for k in setup.nvme.arrays)
+        s
+        for s, (leaves_, _) in enumerate(stacks)
+        if any(k[0] in leaves_ for k in setup.nvme.arrays)
       }
       if self.nvme_stacks and self.s.offloaded.update_on == "device":
         self.layers = nvme_tier_layers.TracedLayers(
@@ -524,7 +526,9 @@ class _Step:
       def view(t, j, a):
         return lax.dynamic_slice_in_dim(a, start, rows, 0) if t is plan_lib.Tier.DEVICE else a
 
-      views = [setup_lib.map_arrays(part, leaf_tiers, view) for part, leaf_tiers in zip(parts, tiers)]
+      views = [
+        setup_lib.map_arrays(part, leaf_tiers, view) for part, leaf_tiers in zip(parts, tiers)
+      ]
       new_w, _, new_views, token = stream.run(
         off.inner,
         layout,

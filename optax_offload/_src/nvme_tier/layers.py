@@ -141,7 +141,9 @@ class TracedLayers:
   def _group(self, device, tier, u: _Update, sg: int) -> list[np.ndarray]:
     if sg not in u.new:
       if sg in u.fetched:
-        raise RuntimeError(f"NVMe tier: store group {sg} of a stack was fetched twice in one update.")
+        raise RuntimeError(
+          f"NVMe tier: store group {sg} of a stack was fetched twice in one update."
+        )
       u.fetched.add(sg)
       names = tier.names[sg]
       try:
@@ -201,7 +203,9 @@ class TracedLayers:
             for p in self.pieces[key]:
               lo, hi = max(p.start, start), min(p.stop, start + rows)
               if lo < hi:
-                got.append(self._group(device, tier, u, p.group)[p.member][lo - p.start : hi - p.start])
+                got.append(
+                  self._group(device, tier, u, p.group)[p.member][lo - p.start : hi - p.start]
+                )
             out.append(np.concatenate(got) if len(got) > 1 else np.array(got[0]))
       except Exception as e:
         raise type(e)(
