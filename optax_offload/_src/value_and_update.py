@@ -17,11 +17,20 @@ the last backward pass.
 Global-norm clipping (``optax.chain(optax.clip_by_global_norm(c), oo.offload(...))``) needs the
 norm before any update: the last backward pass then writes the stack's (accumulated) gradients to
 host memory and sums their squares, and the update runs after it, streamed.
+
+State in the NVMe tier (``offload(..., nvme_dir=..., host_limit=...)``): the step writes one NVMe
+generation (in the pass that updates), begun before that pass's forward and committed after the
+leaves outside the stacks. In the backward pass each block of layers fetches its rows of the
+stack's NVMe arrays by one callback and puts the new rows by one (`nvme_tier.layers`), the disk
+reading ahead in the order the backward needs them; the other leaves' NVMe groups follow, as
+`update_and_apply` streams them (`_Begun`). With clipping the stacks are updated after the backward
+pass, so their NVMe state streams with the other leaves'.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 from collections.abc import Callable
@@ -40,6 +49,7 @@ from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
 from optax_offload._src import stream
 from optax_offload._src import tree_setup as setup_lib
+from optax_offload._src.nvme_tier import layers as nvme_tier_layers
 from optax_offload._src.state import OffloadState
 
 logger = logging.getLogger(__name__)
@@ -154,7 +164,8 @@ def value_and_update(
   Raises:
     TypeError: for a transformation it does not recognise.
     ValueError: when a stack's optimizer state cannot be updated layer by layer.
-    NotImplementedError: for state in the NVMe tier.
+    NotImplementedError: with ``update_on="host"``; with a stack's state in the NVMe tier and
+      params on a mesh of several devices.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optax_offload as oo
@@ -209,11 +220,6 @@ class _Step:
     setup = off.setup_for_update(paths, avals)
     layout = off.layout_for(treedef)
     shared, per_leaf = offload_lib._split_checked(setup, layout, off_state.inner, paths)
-    if setup.nvme is not None:
-      raise NotImplementedError(
-        "value_and_update with state in the NVMe tier is not supported yet: use "
-        "jax.value_and_grad and oo.update_and_apply, or raise host_limit."
-      )
     if self.k > 1:
       for b in jax.tree.leaves(batch):
         if jnp.ndim(b) < 1 or jnp.shape(b)[0] != self.k:
@@ -227,6 +233,21 @@ class _Step:
     self.stacks = stacks
     fused = {i for s, _ in stacks for i in s}
     self.fused = fused
+    # The NVMe tier: one generation per optimizer step, begun in the pass that updates.
+    self.traced = setup.callbacks
+    self.layers = None
+    self.nvme_stacks: set[int] = set()
+    if self.traced is not None and self.s.clip is None:
+      # (With clipping the stacks are updated after the backward pass, with the other leaves.)
+      self.nvme_stacks = {
+        s
+        for s, (leaves_, _) in enumerate(stacks)
+        if any(k[0] in leaves_ for k in setup.nvme.arrays)
+      }
+      if self.nvme_stacks and self.s.offloaded.update_on == "device":
+        self.layers = nvme_tier_layers.TracedLayers(
+          self.traced, [leaves_ for leaves_, _ in stacks], paths
+        )
     logger.info(
       "value_and_update: %s updated inside the backward pass; %d other leaves after it",
       ", ".join(f"{paths[s[0]]} (+{len(s) - 1} leaves, {n} layers)" for s, n in stacks)
@@ -294,9 +315,10 @@ class _Step:
 
     n_last = jnp.asarray(last, jnp.int32)
     final_batch = self.micro(batch, last)
+    token = self.begin(off_state)
     if not clip:
       ios = [
-        self.io(s, n_last, acc=None if acc_stack is None else acc_stack[s], parts=True)
+        self.io(s, n_last, acc=None if acc_stack is None else acc_stack[s], parts=True, token=token)
         for s in range(len(stacks))
       ]
       value, g, cot = differentiate(
@@ -311,7 +333,11 @@ class _Step:
         final_batch,
       )
       grads = self.final_rest_grads(g, acc_rest, rest, n_last)
-      new_leaves, new_shared, new_per_leaf = self.update_rest(grads, rest, None)
+      if self.nvme_stacks:
+        # Every stack's last put before the leaves after it (and the commit).
+        tokens = [_from_f32(cot[s]["parts"][-1]) for s in sorted(self.nvme_stacks)]
+        token, *_ = lax.optimization_barrier((tokens[0], *tokens[1:]))
+      new_leaves, new_shared, new_per_leaf, token = self.update_rest(grads, rest, None, token)
       for s, (stack_leaves, _) in enumerate(stacks):
         new_parts = cot[s]["parts"]
         for pos, i in enumerate(stack_leaves):
@@ -346,13 +372,15 @@ class _Step:
           grads[i] = cot[s]["out"][pos]
           sums[i] = cot[s]["norm"][pos]
       norm = _global_norm(grads, sums, len(leaves))
-      new_leaves, new_shared, new_per_leaf = self.update_rest(
-        grads, list(range(len(leaves))), _clip_fn(norm, self.s.clip)
+      new_leaves, new_shared, new_per_leaf, token = self.update_rest(
+        grads, list(range(len(leaves))), _clip_fn(norm, self.s.clip), token
       )
     if k > 1:
       value = _mean_value(value, value_sum, k, self.has_aux)
     new_inner = layout.merge(new_shared, new_per_leaf)
     new_off = off_state._replace(inner=new_inner)
+    if self.traced is not None:
+      new_off = new_off._replace(nvme_generation=self.traced.commit(token))
     return value, treedef.unflatten(new_leaves), self.s.pack(state, new_off)
 
   # -- discovery and validation ---------------------------------------------------------------
@@ -375,12 +403,6 @@ class _Step:
 
   def check_fusable(self, i: int, n_layers: int) -> None:
     setup, path = self.setup, self.paths[i]
-    tier = setup.plan.tiers[i]
-    if tier is plan_lib.Tier.NVME:
-      raise NotImplementedError(
-        f"value_and_update: the optimizer state of stack leaf {path} is in the NVMe tier, which "
-        "the update in the backward pass does not read yet; raise host_limit."
-      )
     if setup.part_shapes[i] and setup.leaves[i].rows != n_layers and not self.splits(i):
       raise ValueError(
         f"value_and_update: the update of stack leaf {path} cannot run layer by layer (its "
@@ -414,6 +436,14 @@ class _Step:
     dims = separable.shared_dims(per_leaf[i], aval.shape)
     return separable.splittable(off.inner, [aval], [per_leaf[i]], [dims], 1, axis=0)[0] > 0
 
+  def begin(self, off_state):
+    """The NVMe token of this step's generation (None without an NVMe tier); the disk starts
+    reading what the backward pass needs first."""
+    if self.traced is None:
+      return None
+    token = self.traced.begin(off_state.nvme_generation, store=off_state.nvme_store)
+    return self.layers.start(token) if self.layers is not None else token
+
   # -- inputs of the fused backward ---------------------------------------------------------
 
   def grad_dtypes(self, s):
@@ -425,7 +455,7 @@ class _Step:
   def empty_grads(self, s):
     return tuple(_empty(self.leaves[i], jnp.result_type(self.leaves[i])) for i in self.stacks[s][0])
 
-  def io(self, s, n, *, acc=None, parts=False, out=None, norm=False):
+  def io(self, s, n, *, acc=None, parts=False, out=None, norm=False, token=None):
     stack_leaves = self.stacks[s][0]
     io: dict[str, Any] = {"n": n, "shared": self.shared}
     if acc is not None:
@@ -434,6 +464,10 @@ class _Step:
       io["out"] = tuple(out)
     if parts:
       io["parts"] = tuple(self.per_leaf[i] for i in stack_leaves)
+      if s in self.nvme_stacks:
+        # The NVMe token rides with the state through the backward loop (as float32 bits: the
+        # "cotangent" of an integer input would be float0), so the layer callbacks run in order.
+        io["parts"] = (*io["parts"], _to_f32(token))
     if norm:
       io["norm"] = jnp.zeros((len(stack_leaves),), jnp.float32)
     return io
@@ -452,6 +486,7 @@ class _Step:
       )
     layout = layout_lib.StateLayout(off.inner, jax.tree.structure(tuple(stack_leaves)))
     tiers = tuple(setup.array_tiers[i] for i in stack_leaves)
+    on_nvme = s in self.nvme_stacks
     dims = tuple(setup.spec.dims[i] for i in stack_leaves)
     specs: dict[int, stream.StreamSpec] = {}
 
@@ -475,19 +510,26 @@ class _Step:
 
     def update(stack, parts, start, w, g, shared):
       rows = jnp.shape(w[0])[0]
+      spec = spec_for(rows)
+      block = None
+      if on_nvme:
+        # The block's NVMe rows arrive by one callback and leave by one; the streamed update
+        # hands them to its groups as `update_and_apply` hands it a group's NVMe arrays.
+        parts, token = parts[:-1], _from_f32(parts[-1])
+        fetched, token = self.layers.fetch(s, token, start, rows)
+        pos = {i: p for p, i in enumerate(stack_leaves)}
+        block = _BlockRows(spec, {(pos[i], j): x for (i, j), x in fetched.items()}, token)
+
       # Host-tier state arrays stay whole (`row_offset`: their rows are read and written in place
-      # by the streamed update); device-tier ones are cut to the rows here and put back after.
+      # by the streamed update); device-tier ones are cut to the rows here and put back after;
+      # NVMe-tier ones are placeholders (their rows come from `block`).
+      def view(t, j, a):
+        return lax.dynamic_slice_in_dim(a, start, rows, 0) if t is plan_lib.Tier.DEVICE else a
+
       views = [
-        setup_lib.map_arrays(
-          part,
-          leaf_tiers,
-          lambda t, j, a: (
-            lax.dynamic_slice_in_dim(a, start, rows, 0) if t is plan_lib.Tier.DEVICE else a
-          ),
-        )
-        for part, leaf_tiers in zip(parts, tiers)
+        setup_lib.map_arrays(part, leaf_tiers, view) for part, leaf_tiers in zip(parts, tiers)
       ]
-      new_w, _, new_views, _ = stream.run(
+      new_w, _, new_views, token = stream.run(
         off.inner,
         layout,
         spec_for(rows),
@@ -497,22 +539,26 @@ class _Step:
         list(w),
         {},
         placement="device",
+        nvme=block,
         apply=True,
         row_offset=start,
       )
+
+      def back(t, j, v, part):
+        old = jax.tree.leaves(part)[j]
+        if t is plan_lib.Tier.NVME:
+          return old  # the placeholder
+        return lax.dynamic_update_slice_in_dim(old, v, start, 0) if t is plan_lib.Tier.DEVICE else v
+
       parts = tuple(
-        setup_lib.map_arrays(
-          view,
-          leaf_tiers,
-          lambda t, j, v, part=part: (
-            lax.dynamic_update_slice_in_dim(jax.tree.leaves(part)[j], v, start, 0)
-            if t is plan_lib.Tier.DEVICE
-            else v
-          ),
-        )
-        for part, view, leaf_tiers in zip(parts, new_views, tiers)
+        setup_lib.map_arrays(new_view, leaf_tiers, functools.partial(back, part=part))
+        for part, new_view, leaf_tiers in zip(parts, new_views, tiers)
       )
       stack = tuple(fused_scan._put(buf, start, x) for buf, x in zip(stack, new_w))
+      if on_nvme:
+        new_rows = {(stack_leaves[p], j): x for (p, j), x in block.rows().items()}
+        token = self.layers.put(s, token, start, new_rows)
+        parts = (*parts, _to_f32(token))
       return stack, parts
 
     return update
@@ -526,25 +572,27 @@ class _Step:
         grads[i] = _mean(acc_rest[i], g[i], n_last).astype(jnp.result_type(g[i]))
     return grads
 
-  def update_rest(self, grads, members, grad_transform):
+  def update_rest(self, grads, members, grad_transform, token):
     """Updates `members` (leaf indices) with `update_and_apply`'s streamed update.
 
-    Returns (new param leaves, new shared leaves, new per-leaf parts); leaves outside `members`
-    keep their params and state.
+    Returns (new param leaves, new shared leaves, new per-leaf parts, NVMe token); leaves outside
+    `members` keep their params and state.
     """
     spec, setup = self.setup.spec, self.setup
     chosen = set(members)
-    units, chunks = [], []
-    for unit, unit_chunks in zip(spec.units, spec.chunks):
+    units, chunks, plan_groups = [], [], []
+    for k, (unit, unit_chunks) in enumerate(zip(spec.units, spec.chunks)):
       keep = [(p, c) for p, c in zip(unit, unit_chunks) if p.leaf in chosen]
       if keep:
         units.append(tuple(p for p, _ in keep))
         chunks.append(tuple(c for _, c in keep))
+        plan_groups.append(k)
     leaves = list(self.leaves)
     if not units:
-      return leaves, self.shared_after_empty_update(), list(self.per_leaf)
+      return leaves, self.shared_after_empty_update(), list(self.per_leaf), token
     sub = dataclasses.replace(spec, units=tuple(units), chunks=tuple(chunks))
-    new_params, new_shared, new_per_leaf, _ = stream.run(
+    nvme = None if self.traced is None else _Begun(self.traced, token, plan_groups, self.layers)
+    new_params, new_shared, new_per_leaf, token = stream.run(
       self.s.offloaded.inner,
       self.layout,
       sub,
@@ -554,11 +602,13 @@ class _Step:
       leaves,
       {},
       placement=self.s.offloaded.update_on,
+      nvme=nvme,
       apply=True,
       grad_transform=grad_transform,
     )
     del setup
-    return [p if p is not None else x for p, x in zip(new_params, leaves)], new_shared, new_per_leaf
+    new_params = [p if p is not None else x for p, x in zip(new_params, leaves)]
+    return new_params, new_shared, new_per_leaf, token
 
   def shared_after_empty_update(self):
     """The shared leaves (step count, ...) after an update of no leaf."""
@@ -570,6 +620,102 @@ class _Step:
       {},
     )
     return layout.unview(new_state, [])[0]
+
+
+class _Begun:
+  """`stream.run`'s NVMe callbacks for some of the plan's groups, on an update begun already.
+
+  `stream.run` begins and commits a generation itself; here the generation is begun before the
+  backward pass (whose layer callbacks write the stacks' groups) and committed after `stream.run`,
+  which updates the other groups: its ``begin`` returns the token so far and its ``commit`` the
+  token after its puts.
+  """
+
+  def __init__(self, traced, token, plan_groups, layers):
+    self.traced, self.token, self.plan_groups, self.layers = traced, token, plan_groups, layers
+    self.groups = {k: traced.groups[g] for k, g in enumerate(plan_groups) if g in traced.groups}
+
+  def _shared(self, k):
+    """The store group of sub-group k when the backward pass holds it (it holds a stack's
+    arrays too), else None."""
+    sg = self.groups[k]
+    return sg if self.layers is not None and sg in self.layers.others else None
+
+  def begin(self, generation, store=None):
+    del generation, store
+    return self.token
+
+  def fetch(self, k, token):
+    sg = self._shared(k)
+    if sg is not None:
+      return self.layers.fetch_members(sg, token)
+    return self.traced.fetch(self.plan_groups[k], token)
+
+  def put(self, k, token, parts):
+    sg = self._shared(k)
+    if sg is not None:
+      return self.layers.put_members(sg, token, parts)
+    return self.traced.put(self.plan_groups[k], token, parts)
+
+  def commit(self, token):
+    return token
+
+
+class _BlockRows:
+  """`stream.run`'s NVMe callbacks for one block of layers of a stack, without callbacks: the rows
+  that `TracedLayers.fetch` brought are handed to the block's groups piece by piece, and their new
+  rows collected for one `TracedLayers.put` (`rows`). Keys are (position in the stack, array)."""
+
+  def __init__(self, spec: stream.StreamSpec, fetched: dict[Any, Any], token):
+    self.spec, self.fetched, self.token = spec, fetched, token
+    self.groups = {
+      k: k
+      for k, unit in enumerate(spec.units)
+      if any(plan_lib.Tier.NVME in spec.array_tiers[p.leaf] for p in unit)
+    }
+    self.new: dict[Any, list[tuple[int, Any]]] = {}
+
+  def _nvme(self, k):
+    for p in self.spec.units[k]:
+      for j, t in enumerate(self.spec.array_tiers[p.leaf]):
+        if t is plan_lib.Tier.NVME:
+          yield p, j
+
+  def begin(self, generation, store=None):
+    del generation, store
+    return self.token
+
+  def fetch(self, k, token):
+    out = {}
+    for p, j in self._nvme(k):
+      x = self.fetched[(p.leaf, j)]
+      out[(p.leaf, j)] = x if p.whole else x[p.start : p.stop]
+    return out, token
+
+  def put(self, k, token, parts):
+    for p, j in self._nvme(k):
+      self.new.setdefault((p.leaf, j), []).append((p.start or 0, jax.tree.leaves(parts[p.leaf])[j]))
+    return token
+
+  def commit(self, token):
+    return token
+
+  def rows(self) -> dict[Any, Any]:
+    """The block's new rows of each NVMe array."""
+    return {
+      key: jnp.concatenate([x for _, x in sorted(pieces, key=lambda e: e[0])])
+      if len(pieces) > 1
+      else pieces[0][1]
+      for key, pieces in self.new.items()
+    }
+
+
+def _to_f32(token):
+  return lax.bitcast_convert_type(token, jnp.float32)
+
+
+def _from_f32(x):
+  return lax.bitcast_convert_type(x, jnp.int32)
 
 
 def _empty(like, dtype):

@@ -171,7 +171,7 @@ class Pipeline:
 
   # -- the caller's operations --------------------------------------------------------------------------
 
-  def fetch(self, group: int, generation: int) -> list[np.ndarray]:
+  def fetch(self, group: int, generation: int, then=None) -> list[np.ndarray]:
     key = (group, generation)
     waited = False
     with self.cond:
@@ -200,7 +200,10 @@ class Pipeline:
         break
       if waited and arrays is not None:
         self.stats["waits"] += 1
-      self._schedule_locked(key)
+      if then is None:
+        self._schedule_locked(key)
+      else:
+        self._want_locked(then)
       self._note_buffers_locked()
     if arrays is None:
       try:
@@ -355,6 +358,15 @@ class Pipeline:
       self.cond.wait()
     self._raise_error_locked()
 
+  def prefetch(self, keys: list[Key]) -> None:
+    with self.cond:
+      self.check_usable_locked()
+      self._want_locked(keys)
+
+  def _want_locked(self, keys) -> None:
+    """Sets the prefetch window to the first `prefetch_depth` of `keys` (a caller's own order)."""
+    self._set_window_locked([tuple(k) for k in keys][: self._prefetch_depth])
+
   def _schedule_locked(self, key: Key) -> None:
     """Sets the prefetch window to the `prefetch_depth` groups after `key` in cyclic order."""
     group, generation = key
@@ -364,6 +376,9 @@ class Pipeline:
       if group == len(self.leaves):
         group, generation = 0, self.gens.next_generation(generation)
       wanted.append((group, generation))
+    self._set_window_locked(wanted)
+
+  def _set_window_locked(self, wanted: list[Key]) -> None:
     self._wanted = wanted
     self._pool = {k: v for k, v in self._pool.items() if k in wanted}
     self._prefetch_failed.clear()

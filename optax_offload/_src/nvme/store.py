@@ -349,7 +349,9 @@ class NvmeStore:
     self.commit(generation)
     self.sync()
 
-  def fetch(self, group: int, generation: int) -> list[np.ndarray]:
+  def fetch(
+    self, group: int, generation: int, then: Sequence[tuple[int, int]] | None = None
+  ) -> list[np.ndarray]:
     """Returns the group's arrays at `generation`, in `LeafSpec` order, and prefetches the next groups.
 
     The arrays come from the prefetch pool or the write-behind buffers when present, else from disk (with
@@ -358,6 +360,9 @@ class NvmeStore:
     Args:
       group: index of the group.
       generation: a committed generation on disk, or one whose group was `put` (written or pending).
+      then: None (prefetch the next groups in cyclic order), or the (group, generation) pairs to
+        prefetch next, in order (the first ``prefetch_depth``): for a caller that needs the groups
+        in another order (`value_and_update` reads a layer stack's groups last layer first).
 
     Returns:
       The group's arrays.
@@ -368,7 +373,17 @@ class NvmeStore:
       NvmeWriteError: an earlier background write failed.
     """
     self._check_group(group)
-    return self._pipeline.fetch(group, int(generation))
+    return self._pipeline.fetch(group, int(generation), then)
+
+  def prefetch(self, keys: Sequence[tuple[int, int]]) -> None:
+    """Reads the (group, generation) pairs `keys` ahead, in order (the first ``prefetch_depth``).
+
+    The window holds until the next `fetch` sets it again (see its ``then``); e.g. before the first
+    `fetch` of an update whose first group is not the cyclic next one.
+    """
+    for group, _ in keys:
+      self._check_group(group)
+    self._pipeline.prefetch([(int(g), int(n)) for g, n in keys])
 
   def put(self, group: int, generation: int, arrays: Sequence[np.ndarray]) -> None:
     """Hands over the group's new arrays for `generation`; they are written in the background.

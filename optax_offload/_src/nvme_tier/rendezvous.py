@@ -61,7 +61,10 @@ class Rendezvous:
         del self._children[n]
       return entry[0]
 
-  def fetch(self, device: int, group: int, generation: int, names: Sequence[str]) -> dict[str, Any]:
+  def fetch(
+    self, device: int, group: int, generation: int, names: Sequence[str], then=None
+  ) -> dict[str, Any]:
+    """The group's arrays by name (one store fetch for all devices); `then`: `NvmeStore.fetch`'s."""
     key = (group, generation)
     with self._cond:
       # The n-th fetch of a group by each device is one store fetch (an update fetches each once).
@@ -83,7 +86,7 @@ class Rendezvous:
         self._check()
     if reader:
       try:
-        arrays = self.store.fetch(group, generation)
+        arrays = self.store.fetch(group, generation, then)
       except BaseException as e:
         self._fail(e)
         raise

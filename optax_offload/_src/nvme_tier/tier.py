@@ -10,6 +10,7 @@ is found again from a state through `registry`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import pathlib
@@ -114,6 +115,8 @@ class NvmeTier:
     self._first_generation = (
       max([self.store.committed_generation, *self.store.generations_on_disk]) + 1
     )
+    # Counters of `value_and_update`'s layer callbacks on this tier (`layers.TracedLayers`).
+    self.layer_stats: collections.Counter[str] = collections.Counter()
     self.id = registry.register(self)
 
   def bytes(self) -> int:
