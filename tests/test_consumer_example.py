@@ -43,12 +43,6 @@ def test_the_script_trains_with_the_state_in_host_memory(host_run):
   assert host_run["params"]["layers"]["wq"].sharding.memory_kind == "pinned_host"
 
 
-@pytest.mark.xfail(
-  raises=NotImplementedError,  # only that: a wrong number still fails the test
-  strict=False,  # passes once value_and_update reads the NVMe tier (branch fusednvme)
-  reason="value_and_update with state in the NVMe tier: the fusednvme branch; remove this mark "
-  "when it is merged",
-)
 def test_the_script_trains_with_the_state_on_nvme(host_run, tmp_path):
   run = _example().main([*TINY, "--nvme-dir", str(tmp_path / "run1"), "--host-limit", "64KiB"])
   try:
