@@ -224,6 +224,9 @@ class _Run:
     self.arrays: dict[Key, Any] = dict(arrays)
     self.treedefs, self.n_rows, self.extra_args = treedefs, n_rows, extra_args
     self.apply = apply
+    # With tx.update on the device window (`_run_streamed`): per leaf, whether its updates are
+    # computed in the spec's chunks too (`chunks`), or None (one chunk a piece).
+    self.chunk_updates: Sequence[bool] | None = None
     self.new_shared = None
     # Per leaf: the updates (or, with `apply`, the new params) written so far.
     self.updates: dict[int, Any] = {}
@@ -335,7 +338,10 @@ class _Run:
     if base is None:
       base = self.params[i] if self.apply else self.grads[i]
       if jnp.result_type(base) != jnp.result_type(u):
-        base = jnp.zeros(jnp.shape(base), jnp.result_type(u))
+        # One buffer for the leaf's updates, every piece written into it in place. Through a
+        # barrier, so that XLA cannot fold the first write into a `pad` of that piece (a second
+        # leaf-sized producer of the buffer, computed with the piece's update).
+        base = lax.optimization_barrier(jnp.zeros(jnp.shape(base), jnp.result_type(u)))
     self.updates[i] = _write_at(base, u, box, len(box), self.row_shift)
 
   def chunks(self, k: int) -> tuple[tuple[int, int], ...]:
@@ -344,11 +350,21 @@ class _Run:
 
     Chunks make the update in place, but an update written chunk by chunk reaches
     ``optax.apply_updates`` materialized, so XLA can no longer fuse ``p + u`` into the update (as it
-    does for plain optax, with a different rounding): only `update_and_apply` chunks.
+    does for plain optax, with a different rounding). So `update_and_apply` chunks; ``tx.update``
+    on the device window (`chunk_updates`) chunks a leaf's pieces where its updates are written into
+    one buffer anyway: row slices, and whole leaves whose updates have the gradient's dtype (written
+    in place of the gradient; a param-sized buffer of their own otherwise, which one chunk avoids:
+    XLA fuses ``p + u`` into the update and writes the new params in place).
     """
+    unit = self.spec.units[k]
     if self.apply:
       return self.spec.chunks[k]
-    return ((0, 1),) * len(self.spec.units[k])
+    if self.chunk_updates is None:
+      return ((0, 1),) * len(unit)
+    return tuple(
+      c if not p.whole or self.chunk_updates[p.leaf] else (0, 1)
+      for p, c in zip(unit, self.spec.chunks[k])
+    )
 
   def chunk_box(self, piece: Piece, axis: int, count: int, q: int) -> Box:
     """The box of a piece's chunk q, in the leaf's coordinates."""
@@ -449,6 +465,7 @@ def run(
   grad_transform: Any = None,
   row_offset: Any = None,
   grad_dtypes: Sequence[Any] | None = None,
+  update_dtypes: Sequence[Any] | None = None,
 ) -> tuple[list[Any], list[Any], list[Any], Any]:
   """Runs the inner update group by group.
 
@@ -478,6 +495,9 @@ def run(
     grad_dtypes: None, or per leaf the dtype every chunk of its gradients is cast to before
       `grad_transform` (accumulated float32 gradients cast back to the gradients' dtype, as
       ``optax.MultiSteps`` does).
+    update_dtypes: None, or per leaf the dtype of its updates (the params', or the master's with
+      `master_dtype`): without `apply`, on the device, a whole leaf whose updates have its
+      gradient's dtype is updated in the spec's chunks (`_Run.chunks`).
 
   Returns:
     (update leaves, or new param leaves with `apply`; new shared leaves; new per-leaf parts; new
@@ -507,6 +527,9 @@ def run(
     row_offset,
     grad_dtypes,
   )
+  if placement == "device" and not apply and len(spec.units) > 1:
+    dtypes = update_dtypes or [jnp.result_type(p) for p in (params or grads)]
+    r.chunk_updates = [jnp.result_type(g) == jnp.dtype(d) for g, d in zip(grads, dtypes)]
   if placement != "host":
     r.stream_host_params()
   elif apply and any(p is not None and memory.in_host(p) for p in params):
@@ -754,6 +777,8 @@ def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
       r.grad_transform,
     )
     local.row_shift = rows(k)
+    if r.chunk_updates is not None:  # the slice's chunks, as the unrolled groups compute them
+      local.chunk_updates = {i: True}
     if GRAD not in moving:
       local.grad_rows = lax.platform_dependent(
         r.grads[i],
