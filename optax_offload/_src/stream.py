@@ -40,6 +40,7 @@ compute and send of `_Run`; splitting the placements apart would split that clas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -96,6 +97,27 @@ class StreamSpec:
   def offloaded(self, i: int) -> list[int]:
     """The arrays of leaf i's state part that live off the device between steps."""
     return [j for j, t in enumerate(self.array_tiers[i]) if t is not Tier.DEVICE]
+
+
+_TRACED_FOR: list[str] = []
+
+
+@contextlib.contextmanager
+def traced_for(platform: str):
+  """Updates traced inside are for `platform` (e.g. ``"cuda"``), whatever the default backend:
+  `gpu_program.compile_for_gpu` traces on this machine's CPU devices a program it compiles for a
+  GPU."""
+  _TRACED_FOR.append(platform)
+  try:
+    yield
+  finally:
+    _TRACED_FOR.pop()
+
+
+def _traced_for_cpu() -> bool:
+  """Whether the update being traced will run on a CPU (`traced_for`, else the default
+  backend)."""
+  return (_TRACED_FOR[-1] if _TRACED_FOR else jax.default_backend()) == "cpu"
 
 
 def _chunk_bounds(start: int, stop: int, chunks: int) -> list[tuple[int, int]]:
@@ -352,9 +374,11 @@ class _Run:
     ``optax.apply_updates`` materialized, so XLA can no longer fuse ``p + u`` into the update (as it
     does for plain optax, with a different rounding). So `update_and_apply` chunks; ``tx.update``
     on the device window (`chunk_updates`) chunks a leaf's pieces where its updates are written into
-    one buffer anyway: row slices, and whole leaves whose updates have the gradient's dtype (written
-    in place of the gradient; a param-sized buffer of their own otherwise, which one chunk avoids:
-    XLA fuses ``p + u`` into the update and writes the new params in place).
+    one buffer anyway: row slices, and, in a program for a GPU, whole leaves whose updates have the
+    gradient's dtype (written in place of the gradient; a param-sized buffer of their own
+    otherwise, which one chunk avoids: XLA fuses ``p + u`` into the update and writes the new
+    params in place). On a CPU, where no copy overlaps anything, whole leaves keep one chunk and
+    plain optax's bits.
     """
     unit = self.spec.units[k]
     if self.apply:
@@ -496,8 +520,8 @@ def run(
       `grad_transform` (accumulated float32 gradients cast back to the gradients' dtype, as
       ``optax.MultiSteps`` does).
     update_dtypes: None, or per leaf the dtype of its updates (the params', or the master's with
-      `master_dtype`): without `apply`, on the device, a whole leaf whose updates have its
-      gradient's dtype is updated in the spec's chunks (`_Run.chunks`).
+      `master_dtype`): without `apply`, on the device window of a GPU, a whole leaf whose updates
+      have its gradient's dtype is updated in the spec's chunks (`_Run.chunks`).
 
   Returns:
     (update leaves, or new param leaves with `apply`; new shared leaves; new per-leaf parts; new
@@ -529,7 +553,10 @@ def run(
   )
   if placement == "device" and not apply and len(spec.units) > 1:
     dtypes = update_dtypes or [jnp.result_type(p) for p in (params or grads)]
-    r.chunk_updates = [jnp.result_type(g) == jnp.dtype(d) for g, d in zip(grads, dtypes)]
+    cpu = _traced_for_cpu()
+    r.chunk_updates = [
+      not cpu and jnp.result_type(g) == jnp.dtype(d) for g, d in zip(grads, dtypes)
+    ]
   if placement != "host":
     r.stream_host_params()
   elif apply and any(p is not None and memory.in_host(p) for p in params):
