@@ -179,8 +179,10 @@ def test_tx_update_of_whole_leaves_streams_like_update_and_apply():
   assert copies(program.schedule, "to_device") == (30, 32, 128 * MiB)
   assert copies(program.schedule, "to_host") == (32, 32, 128 * MiB)
   # The updates are materialized (with the gradients as arguments, in a copy of them: 64 MiB);
-  # in a training step that computes the gradients they are written in place of them.
-  assert program.memory.temp <= 64 * MiB + 32 * MiB, program.memory
+  # in a training step that computes the gradients they are written in place of them. Device
+  # temporaries 82.0 MiB, 2.56x the window (0.75x before, the updates fused into apply_updates).
+  assert 64 * MiB <= program.memory.temp <= 64 * MiB + 32 * MiB, program.memory
+  assert round(program.memory.temp / (32 * MiB), 2) == 2.56
   assert program.memory.host_temp == 0
 
 
@@ -203,9 +205,10 @@ def test_tx_update_of_stacked_bf16_leaves_with_master_weights():
   # Each leaf's fp32 updates are one buffer, every slice written into it in place: no `pad` (the
   # first slice's updates padded to the leaf's size, 3 before). What tx.update returns is on the
   # device: the fp32 updates (4 B/param, 68 MiB), plus the window's state and the chunks'
-  # temporaries (measured 86.5 MiB in all).
+  # temporaries: 86.6 MiB in all, 5.41x the window.
   assert "pad(" not in program.hlo
-  assert program.memory.temp <= 4 * n + 1.25 * window, program.memory
+  assert 4 * n <= program.memory.temp <= 4 * n + 1.25 * window, program.memory
+  assert round(program.memory.temp / window, 2) == 5.41
   assert program.memory.host_temp == 0
 
 
