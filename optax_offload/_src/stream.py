@@ -520,8 +520,9 @@ def run(
       `grad_transform` (accumulated float32 gradients cast back to the gradients' dtype, as
       ``optax.MultiSteps`` does).
     update_dtypes: None, or per leaf the dtype of its updates (the params', or the master's with
-      `master_dtype`): without `apply`, on the device window of a GPU, a whole leaf whose updates
-      have its gradient's dtype is updated in the spec's chunks (`_Run.chunks`).
+      `master_dtype`): without `apply`, on the device window of a GPU, params on one device, a
+      whole leaf whose updates have its gradient's dtype is updated in the spec's chunks
+      (`_Run.chunks`).
 
   Returns:
     (update leaves, or new param leaves with `apply`; new shared leaves; new per-leaf parts; new
@@ -551,7 +552,10 @@ def run(
     row_offset,
     grad_dtypes,
   )
-  if placement == "device" and not apply and len(spec.units) > 1:
+  # Params on a mesh of several devices keep one chunk a piece (as they keep their slices out of
+  # loops, `StreamSpec.loop`): on two CPU devices a chunk of an NVMe-tier slice failed to trace
+  # (its new state sharded along the mesh, the fetched buffer it is written into not).
+  if placement == "device" and not apply and len(spec.units) > 1 and spec.loop:
     dtypes = update_dtypes or [jnp.result_type(p) for p in (params or grads)]
     cpu = _traced_for_cpu()
     r.chunk_updates = [
