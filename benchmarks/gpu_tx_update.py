@@ -73,7 +73,9 @@ def measure(cfg: llama.Config, path: str, options: str, window: int, seq: int, t
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--model", default=None, help="a name of llama.CONFIGS (default: d 512, 8 layers)")
+  parser.add_argument(
+    "--model", default=None, help="a name of llama.CONFIGS (default: d 512, 8 layers)"
+  )
   parser.add_argument("--window-mib", type=int, default=16)
   parser.add_argument("--seq", type=int, default=256)
   parser.add_argument("--target", default="h100_24gb")
