@@ -8,7 +8,9 @@ leaves. For each group, in order:
    array for a row slice; NVMe tier: the group's store fetch);
 2. the inner transformation updates it in `StreamSpec.chunks` row chunks, each written back into
    the arrived buffers (`dynamic_update_slice`, which XLA does in place), so a group costs its own
-   size on the device, not twice that;
+   size on the device, not twice that (with ``tx.update``: the pieces whose updates are written
+   into one buffer anyway, `_Run.chunks`; the others in one update, fused with
+   ``optax.apply_updates``);
 3. its new state leaves the device while the next group computes (host tier: a copy, or a
    `dynamic_update_slice` into the donated host array for a row slice; NVMe: the group's put).
 
