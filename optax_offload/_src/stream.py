@@ -145,10 +145,22 @@ def _take(x: jax.Array, box: Box, depth: int) -> jax.Array:
   return lax.slice(x, starts, limits)
 
 
+def _on_mesh_of(x: jax.Array, value: jax.Array) -> jax.Array:
+  """`x`, typed on `value`'s mesh when it has none (an NVMe-tier fetch, from a callback, beside
+  gradients on an explicit mesh): `lax.dynamic_update_slice` wants the two on one mesh."""
+  x_mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+  v_sharding = jax.typeof(value).sharding
+  v_mesh = getattr(v_sharding, "mesh", None)
+  if x_mesh is not None and v_mesh is not None and x_mesh.empty and not v_mesh.empty:
+    return jax.sharding.reshard(x, v_sharding)
+  return x
+
+
 def _write(x: jax.Array, value: jax.Array, box: Box, depth: int) -> jax.Array:
   """`x` with `value` written at the box (first `depth` axes); XLA does it in place."""
   if value.shape == x.shape:
     return value
+  x = _on_mesh_of(x, value)
   box = box[: min(depth, len(box))]
   starts = [a for a, _ in box] + [0] * (x.ndim - len(box))
   return lax.dynamic_update_slice(x, value.astype(x.dtype), starts)
@@ -248,9 +260,9 @@ class _Run:
     self.arrays: dict[Key, Any] = dict(arrays)
     self.treedefs, self.n_rows, self.extra_args = treedefs, n_rows, extra_args
     self.apply = apply
-    # With tx.update on the device window (`_run_streamed`): per leaf, whether its updates are
-    # computed in the spec's chunks too (`chunks`), or None (one chunk a piece).
-    self.chunk_updates: Sequence[bool] | None = None
+    # With tx.update on the device window (`run`): leaf -> whether its pieces' updates are
+    # computed in the spec's chunks too (`chunks`); None: one chunk a piece.
+    self.chunk_updates: dict[int, bool] | None = None
     self.new_shared = None
     # Per leaf: the updates (or, with `apply`, the new params) written so far.
     self.updates: dict[int, Any] = {}
@@ -388,8 +400,7 @@ class _Run:
     if self.chunk_updates is None:
       return ((0, 1),) * len(unit)
     return tuple(
-      c if not p.whole or self.chunk_updates[p.leaf] else (0, 1)
-      for p, c in zip(unit, self.spec.chunks[k])
+      c if self.chunk_updates.get(p.leaf) else (0, 1) for p, c in zip(unit, self.spec.chunks[k])
     )
 
   def chunk_box(self, piece: Piece, axis: int, count: int, q: int) -> Box:
@@ -522,9 +533,8 @@ def run(
       `grad_transform` (accumulated float32 gradients cast back to the gradients' dtype, as
       ``optax.MultiSteps`` does).
     update_dtypes: None, or per leaf the dtype of its updates (the params', or the master's with
-      `master_dtype`): without `apply`, on the device window of a GPU, params on one device, a
-      whole leaf whose updates have its gradient's dtype is updated in the spec's chunks
-      (`_Run.chunks`).
+      `master_dtype`): without `apply`, on the device window of a GPU, a whole leaf whose updates
+      have its gradient's dtype is updated in the spec's chunks (`_chunked_updates`).
 
   Returns:
     (update leaves, or new param leaves with `apply`; new shared leaves; new per-leaf parts; new
@@ -554,15 +564,8 @@ def run(
     row_offset,
     grad_dtypes,
   )
-  # Params on a mesh of several devices keep one chunk a piece (as they keep their slices out of
-  # loops, `StreamSpec.loop`): on two CPU devices a chunk of an NVMe-tier slice failed to trace
-  # (its new state sharded along the mesh, the fetched buffer it is written into not).
-  if placement == "device" and not apply and len(spec.units) > 1 and spec.loop:
-    dtypes = update_dtypes or [jnp.result_type(p) for p in (params or grads)]
-    cpu = _traced_for_cpu()
-    r.chunk_updates = [
-      not cpu and jnp.result_type(g) == jnp.dtype(d) for g, d in zip(grads, dtypes)
-    ]
+  if placement == "device" and not apply and len(spec.units) > 1:
+    r.chunk_updates = _chunked_updates(spec, grads, params, update_dtypes)
   if placement != "host":
     r.stream_host_params()
   elif apply and any(p is not None and memory.in_host(p) for p in params):
@@ -589,6 +592,25 @@ def run(
   if placement != "none":
     new_shared = memory.to_space(new_shared, DEVICE)
   return [r.updates.get(i) for i in range(layout.num_leaves)], new_shared, per_leaf, new_generation
+
+
+def _chunked_updates(spec: StreamSpec, grads, params, update_dtypes) -> dict[int, bool]:
+  """Leaf -> whether ``tx.update`` computes its pieces in the spec's chunks (`_Run.chunks`), in a
+  program for a GPU: a leaf updated in row slices, and a whole leaf whose updates have its
+  gradient's dtype (written in place of the gradient).
+
+  On a CPU none (no copy overlaps anything there, and one update a piece keeps the bits every tier
+  and plain optax had), nor for params on a mesh of several devices (`StreamSpec.loop`: on two
+  CPU devices the chunks of an NVMe-tier slice did not trace).
+  """
+  if not spec.loop or _traced_for_cpu():
+    return {}
+  dtypes = update_dtypes or [jnp.result_type(p) for p in (params or grads)]
+  sliced = {p.leaf for unit in spec.units for p in unit if not p.whole}
+  return {
+    i: i in sliced or jnp.result_type(g) == jnp.dtype(d)
+    for i, (g, d) in enumerate(zip(grads, dtypes))
+  }
 
 
 def _run_streamed(r: _Run, nvme, token, on_device: bool):
