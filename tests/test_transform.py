@@ -75,11 +75,11 @@ def test_matches_plain_optax(opt, jit, caplog):
 
 
 def test_tx_update_keeps_whole_leaves_exact_on_the_cpu():
-  # tx.update runs a group's update in chunks only where its updates are materialized anyway (row
-  # slices) or in a program for a GPU, where the chunks let every copy overlap an update
-  # (docs/gpu.md, "tx.update in the compiled program"). On a CPU a whole leaf keeps one update,
-  # which XLA fuses with optax.apply_updates as in plain optax: its params stay bit for bit.
-  # (Chunked, sgd+momentum's 'conv' and 'dense' differed by ulps after 20 steps.)
+  # tx.update runs a group's update in chunks only in a program for a GPU, where the chunks let
+  # every copy overlap an update (docs/gpu.md, "tx.update in the compiled program"). On a CPU a
+  # whole leaf keeps one update, which XLA fuses with optax.apply_updates as in plain optax: its
+  # params stay bit for bit. (Chunked, sgd+momentum's 'conv' and 'dense' differed by ulps after
+  # 20 steps.)
   params = make_params()
   make = lambda: optax.sgd(1e-2, momentum=0.9)  # noqa: E731
   ref_params, _ = train(make(), params, STEPS)
