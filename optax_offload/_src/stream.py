@@ -565,7 +565,7 @@ def run(
     grad_dtypes,
   )
   if placement == "device" and not apply and len(spec.units) > 1:
-    r.chunk_updates = _chunked_updates(spec, grads, params, update_dtypes)
+    r.chunk_updates = _chunked_updates(spec, grads, params, update_dtypes) or None
   if placement != "host":
     r.stream_host_params()
   elif apply and any(p is not None and memory.in_host(p) for p in params):
@@ -832,7 +832,7 @@ def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
       r.grad_transform,
     )
     local.row_shift = rows(k)
-    if r.chunk_updates is not None:  # the slice's chunks, as the unrolled groups compute them
+    if r.chunk_updates and r.chunk_updates.get(i):  # the slice's chunks, as unrolled groups'
       local.chunk_updates = {i: True}
     if GRAD not in moving:
       local.grad_rows = lax.platform_dependent(
