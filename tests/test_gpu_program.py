@@ -382,3 +382,33 @@ def test_a_stacked_llama_step_with_the_weights_offloaded_too():
   assert_step_copies(state_program.schedule, {"to_device": (44, 72), "to_host": (45, 72)})
   assert_step_copies(both_program.schedule, {"to_device": (593, 596), "to_host": (232, 235)})
   assert off_device >= 4 * stack, (state.device, both.device)
+
+
+def test_tx_update_with_an_nvme_tier_compiles_for_the_gpu(tmp_path):
+  # On one device (an explicit mesh) an NVMe-tier leaf's row slices are chunked as a host-tier
+  # leaf's are: the fetched buffer (a callback's result, on no mesh) is typed on the gradients'
+  # mesh before the chunks are written into it (without that the trace failed).
+  from conftest import make_params
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), make_params())
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=100_000, host_limit="200KiB", nvme_dir=str(tmp_path)
+  )
+  state = tx.init(params)
+  try:
+
+    def step(p, s, g):
+      updates, s = tx.update(g, s, p)
+      return optax.apply_updates(p, updates), s
+
+    program = gpu_program.compile_for_gpu(step, params, state, params, donate_argnums=(0, 1))
+    assert program.schedule.callbacks  # 'big' on NVMe: its fetches and puts
+    # The host tier's copies (the NVMe tier's go through the callbacks): 8 of 10 in flight during
+    # an update each way.
+    assert program.schedule.overlap("to_device", per_execution=True) == (8, 10)
+    assert program.schedule.overlap("to_host", per_execution=True) == (8, 10)
+  finally:
+    oo.close_nvme(state)
