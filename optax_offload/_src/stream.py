@@ -600,8 +600,8 @@ def _chunked_updates(spec: StreamSpec, grads, params, update_dtypes) -> dict[int
   gradient's dtype (written in place of the gradient).
 
   On a CPU none (no copy overlaps anything there, and one update a piece keeps the bits every tier
-  and plain optax had), nor for params on a mesh of several devices (`StreamSpec.loop`: on two
-  CPU devices the chunks of an NVMe-tier slice did not trace).
+  and plain optax had), nor for params on a mesh of several devices (`StreamSpec.loop`; not tried
+  there yet).
   """
   if not spec.loop or _traced_for_cpu():
     return {}
