@@ -74,6 +74,20 @@ def test_matches_plain_optax(opt, jit, caplog):
       assert_close(ref_params, got_params, ulps=2 if apply else 1)
 
 
+def test_tx_update_keeps_whole_leaves_exact_on_the_cpu():
+  # tx.update runs a group's update in chunks only in a program for a GPU, where the chunks let
+  # every copy overlap an update (docs/gpu.md, "tx.update in the compiled program"). On a CPU a
+  # whole leaf keeps one update, which XLA fuses with optax.apply_updates as in plain optax: its
+  # params stay bit for bit. (Chunked, sgd+momentum's 'conv' and 'dense' differed by ulps after
+  # 20 steps.)
+  params = make_params()
+  make = lambda: optax.sgd(1e-2, momentum=0.9)  # noqa: E731
+  ref_params, _ = train(make(), params, STEPS)
+  got_params, _ = train(oo.offload(make(), window_bytes=SMALL_WINDOW), params, STEPS)
+  for name in ("conv", "dense", "embed", "scale"):  # 'big' is updated in row slices
+    assert bits_equal(ref_params[name], got_params[name]), name
+
+
 def test_a_large_leaf_is_updated_in_row_slices():
   leaves = [oo.LeafInfo("big", 60_000, 480_000, rows=300)]
   plan = oo.make_plan(leaves, min_size=4096, window_bytes=SMALL_WINDOW)

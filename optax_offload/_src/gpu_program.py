@@ -38,6 +38,7 @@ from typing import Any
 import jax
 
 from optax_offload._src import _compat
+from optax_offload._src import stream
 from optax_offload._src import units
 
 if TYPE_CHECKING:  # step_time imports this module
@@ -373,7 +374,8 @@ def compile_for_gpu(
   _compat.check_gpu_compile_support()
   device = _topology_device(target)
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn, donate_argnums=donate_argnums)
-  traced = jitted.trace(*args, **kwargs)
+  with stream.traced_for("cuda"):  # the update's form for a GPU (`stream._Run.chunks`)
+    traced = jitted.trace(*args, **kwargs)
   with _compat.lowering_backend(device.client):
     lowered = traced.lower(lowering_platforms=("cuda",))
   overrides = list((xla_flags or {}).items())

@@ -280,6 +280,14 @@ class _Offloaded:
   ) -> tuple[optax.Updates, OffloadState]:
     return self.run(updates, state, params, extra_args, apply=False)
 
+  def update_dtypes(self, dtypes) -> list[Any]:
+    """The dtype of each leaf's updates: its param's, or the master's where it keeps one."""
+    if self.master_dtype is None:
+      return list(dtypes)
+    return [
+      self.master_dtype if master_lib.needs_master(d, self.master_dtype) else d for d in dtypes
+    ]
+
   def run(
     self, updates, state, params, extra_args, apply: bool, grad_transform=None, grad_dtypes=None
   ):
@@ -323,6 +331,7 @@ class _Offloaded:
         apply=apply,
         grad_transform=grad_transform,
         grad_dtypes=grad_dtypes,
+        update_dtypes=self.update_dtypes(dtypes),
       )
     except ValueError as e:
       if _compat.NO_PARAMS_MSG in str(e) and params is None:

@@ -8,7 +8,9 @@ leaves. For each group, in order:
    array for a row slice; NVMe tier: the group's store fetch);
 2. the inner transformation updates it in `StreamSpec.chunks` row chunks, each written back into
    the arrived buffers (`dynamic_update_slice`, which XLA does in place), so a group costs its own
-   size on the device, not twice that;
+   size on the device, not twice that (with ``tx.update``: the pieces whose updates are written
+   into one buffer anyway, `_Run.chunks`; the others in one update, fused with
+   ``optax.apply_updates``);
 3. its new state leaves the device while the next group computes (host tier: a copy, or a
    `dynamic_update_slice` into the donated host array for a row slice; NVMe: the group's put).
 
@@ -40,6 +42,7 @@ compute and send of `_Run`; splitting the placements apart would split that clas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -98,6 +101,27 @@ class StreamSpec:
     return [j for j, t in enumerate(self.array_tiers[i]) if t is not Tier.DEVICE]
 
 
+_TRACED_FOR: list[str] = []
+
+
+@contextlib.contextmanager
+def traced_for(platform: str):
+  """Updates traced inside are for `platform` (e.g. ``"cuda"``), whatever the default backend:
+  `gpu_program.compile_for_gpu` traces on this machine's CPU devices a program it compiles for a
+  GPU."""
+  _TRACED_FOR.append(platform)
+  try:
+    yield
+  finally:
+    _TRACED_FOR.pop()
+
+
+def _traced_for_cpu() -> bool:
+  """Whether the update being traced will run on a CPU (`traced_for`, else the default
+  backend)."""
+  return (_TRACED_FOR[-1] if _TRACED_FOR else jax.default_backend()) == "cpu"
+
+
 def _chunk_bounds(start: int, stop: int, chunks: int) -> list[tuple[int, int]]:
   bounds = [start + (stop - start) * q // chunks for q in range(chunks + 1)]
   return list(zip(bounds, bounds[1:]))
@@ -121,10 +145,22 @@ def _take(x: jax.Array, box: Box, depth: int) -> jax.Array:
   return lax.slice(x, starts, limits)
 
 
+def _on_mesh_of(x: jax.Array, value: jax.Array) -> jax.Array:
+  """`x`, typed on `value`'s mesh when it has none (an NVMe-tier fetch, from a callback, beside
+  gradients on an explicit mesh): `lax.dynamic_update_slice` wants the two on one mesh."""
+  x_mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+  v_sharding = jax.typeof(value).sharding
+  v_mesh = getattr(v_sharding, "mesh", None)
+  if x_mesh is not None and v_mesh is not None and x_mesh.empty and not v_mesh.empty:
+    return jax.sharding.reshard(x, v_sharding)
+  return x
+
+
 def _write(x: jax.Array, value: jax.Array, box: Box, depth: int) -> jax.Array:
   """`x` with `value` written at the box (first `depth` axes); XLA does it in place."""
   if value.shape == x.shape:
     return value
+  x = _on_mesh_of(x, value)
   box = box[: min(depth, len(box))]
   starts = [a for a, _ in box] + [0] * (x.ndim - len(box))
   return lax.dynamic_update_slice(x, value.astype(x.dtype), starts)
@@ -224,6 +260,9 @@ class _Run:
     self.arrays: dict[Key, Any] = dict(arrays)
     self.treedefs, self.n_rows, self.extra_args = treedefs, n_rows, extra_args
     self.apply = apply
+    # With tx.update on the device window (`run`): leaf -> whether its pieces' updates are
+    # computed in the spec's chunks too (`chunks`); None: one chunk a piece.
+    self.chunk_updates: dict[int, bool] | None = None
     self.new_shared = None
     # Per leaf: the updates (or, with `apply`, the new params) written so far.
     self.updates: dict[int, Any] = {}
@@ -335,7 +374,10 @@ class _Run:
     if base is None:
       base = self.params[i] if self.apply else self.grads[i]
       if jnp.result_type(base) != jnp.result_type(u):
-        base = jnp.zeros(jnp.shape(base), jnp.result_type(u))
+        # One buffer for the leaf's updates, every piece written into it in place. Through a
+        # barrier, so that XLA cannot fold the first write into a `pad` of that piece (a second
+        # leaf-sized producer of the buffer, computed with the piece's update).
+        base = lax.optimization_barrier(jnp.zeros(jnp.shape(base), jnp.result_type(u)))
     self.updates[i] = _write_at(base, u, box, len(box), self.row_shift)
 
   def chunks(self, k: int) -> tuple[tuple[int, int], ...]:
@@ -344,11 +386,22 @@ class _Run:
 
     Chunks make the update in place, but an update written chunk by chunk reaches
     ``optax.apply_updates`` materialized, so XLA can no longer fuse ``p + u`` into the update (as it
-    does for plain optax, with a different rounding): only `update_and_apply` chunks.
+    does for plain optax, with a different rounding). So `update_and_apply` chunks; ``tx.update``
+    on the device window (`chunk_updates`) chunks a leaf's pieces where its updates are written into
+    one buffer anyway: row slices, and, in a program for a GPU, whole leaves whose updates have the
+    gradient's dtype (written in place of the gradient; a param-sized buffer of their own
+    otherwise, which one chunk avoids: XLA fuses ``p + u`` into the update and writes the new
+    params in place). On a CPU, where no copy overlaps anything, whole leaves keep one chunk and
+    plain optax's bits.
     """
+    unit = self.spec.units[k]
     if self.apply:
       return self.spec.chunks[k]
-    return ((0, 1),) * len(self.spec.units[k])
+    if self.chunk_updates is None:
+      return ((0, 1),) * len(unit)
+    return tuple(
+      c if self.chunk_updates.get(p.leaf) else (0, 1) for p, c in zip(unit, self.spec.chunks[k])
+    )
 
   def chunk_box(self, piece: Piece, axis: int, count: int, q: int) -> Box:
     """The box of a piece's chunk q, in the leaf's coordinates."""
@@ -449,6 +502,7 @@ def run(
   grad_transform: Any = None,
   row_offset: Any = None,
   grad_dtypes: Sequence[Any] | None = None,
+  update_dtypes: Sequence[Any] | None = None,
 ) -> tuple[list[Any], list[Any], list[Any], Any]:
   """Runs the inner update group by group.
 
@@ -478,6 +532,9 @@ def run(
     grad_dtypes: None, or per leaf the dtype every chunk of its gradients is cast to before
       `grad_transform` (accumulated float32 gradients cast back to the gradients' dtype, as
       ``optax.MultiSteps`` does).
+    update_dtypes: None, or per leaf the dtype of its updates (the params', or the master's with
+      `master_dtype`): without `apply`, on the device window of a GPU, a whole leaf whose updates
+      have its gradient's dtype is updated in the spec's chunks (`_chunked_updates`).
 
   Returns:
     (update leaves, or new param leaves with `apply`; new shared leaves; new per-leaf parts; new
@@ -507,6 +564,8 @@ def run(
     row_offset,
     grad_dtypes,
   )
+  if placement == "device" and not apply and len(spec.units) > 1:
+    r.chunk_updates = _chunked_updates(spec, grads, params, update_dtypes) or None
   if placement != "host":
     r.stream_host_params()
   elif apply and any(p is not None and memory.in_host(p) for p in params):
@@ -533,6 +592,25 @@ def run(
   if placement != "none":
     new_shared = memory.to_space(new_shared, DEVICE)
   return [r.updates.get(i) for i in range(layout.num_leaves)], new_shared, per_leaf, new_generation
+
+
+def _chunked_updates(spec: StreamSpec, grads, params, update_dtypes) -> dict[int, bool]:
+  """Leaf -> whether ``tx.update`` computes its pieces in the spec's chunks (`_Run.chunks`), in a
+  program for a GPU: a leaf updated in row slices, and a whole leaf whose updates have its
+  gradient's dtype (written in place of the gradient).
+
+  On a CPU none (no copy overlaps anything there, and one update a piece keeps the bits every tier
+  and plain optax had), nor for params on a mesh of several devices (`StreamSpec.loop`; not tried
+  there yet).
+  """
+  if not spec.loop or _traced_for_cpu():
+    return {}
+  dtypes = update_dtypes or [jnp.result_type(p) for p in (params or grads)]
+  sliced = {p.leaf for unit in spec.units for p in unit if not p.whole}
+  return {
+    i: i in sliced or jnp.result_type(g) == jnp.dtype(d)
+    for i, (g, d) in enumerate(zip(grads, dtypes))
+  }
 
 
 def _run_streamed(r: _Run, nvme, token, on_device: bool):
@@ -754,6 +832,8 @@ def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
       r.grad_transform,
     )
     local.row_shift = rows(k)
+    if r.chunk_updates and r.chunk_updates.get(i):  # the slice's chunks, as unrolled groups'
+      local.chunk_updates = {i: True}
     if GRAD not in moving:
       local.grad_rows = lax.platform_dependent(
         r.grads[i],
