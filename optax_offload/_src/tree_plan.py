@@ -294,8 +294,8 @@ def plan_tree(
     ...               nvme=False)
     >>> [tier.value for tier in t.plan.tiers], t.plan.bytes_per_tier["host"]  # b, w: mu and nu
     (['device', 'host'], 1048576)
-    >>> [(p.leaf, p.start, p.stop) for unit in t.plan.units for p in unit]  # w in 3 row slices
-    [(0, None, None), (1, 0, 171), (1, 171, 342), (1, 342, 512)]
+    >>> [(p.leaf, p.start, p.stop) for unit in t.plan.units for p in unit]  # w in 4 equal row slices
+    [(0, None, None), (1, 0, 128), (1, 128, 256), (1, 256, 384), (1, 384, 512)]
   """
   derived = derive_leaves(
     inner,
