@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from optax_offload._src import estimate as estimate_lib
+from optax_offload._src import host_budget
 from optax_offload._src import measure
 from optax_offload._src import named_optimizers
 from optax_offload._src import step_time
@@ -268,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       update_in_backward={"auto": None, "yes": True, "no": False}[args.update_in_backward],
       accumulate=args.accumulate,
       memory_fraction=(
-        None if args.device_memory is None else estimate_lib.memory_fraction_from_env()
+        None if args.device_memory is None else host_budget.memory_fraction_from_env()
       ),
       nvme_dir=args.nvme_dir,
       nvme_size=args.nvme_size,

@@ -11,12 +11,8 @@ From shapes, the plan is `offload`'s own: `tree_plan.plan_tree`, the derivation 
 
 One host budget (``host_memory``): the stack's weights first, then its gradients or accumulators
 and the NVMe tier's buffers, the optimizer state in what is left, the rest on NVMe; each item's
-tier and reason is a `Placement`.
-
-Length: about 1,000 lines, twice the ~500 we aim for: a quarter of it is the docstrings of
-`estimate` and `Estimate` (the planning page of the API reference); the code is one result type,
-the host budget and its placements, and two estimates (from a count, from shapes) behind one
-function. Splitting the budget and placements into their own module is the next step.
+tier and reason is a `Placement`. That arithmetic lives in `host_budget`; this module holds the
+result type and the two estimates (from a count, from shapes) behind one function.
 """
 
 from __future__ import annotations
@@ -32,19 +28,18 @@ import numpy as np
 import optax
 
 from optax_offload._src import compress
+from optax_offload._src import host_budget
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
 from optax_offload._src import memory
 from optax_offload._src import named_optimizers
-from optax_offload._src import offloaded_scan as scan_lib
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import report
 from optax_offload._src import tree_plan
+from optax_offload._src.host_budget import Placement
 from optax_offload._src.measure import Bandwidths
 from optax_offload._src.measure import free_disk
 from optax_offload._src.named_optimizers import NamedOptimizer
-from optax_offload._src.plan import FUSED_GRAD_LAYERS_ON_DEVICE
-from optax_offload._src.plan import FUSED_WEIGHT_LAYERS_ON_DEVICE
 from optax_offload._src.plan import NVME_BUFFER_GROUPS
 from optax_offload._src.plan import NVME_DISK_FACTOR
 from optax_offload._src.units import check_options
@@ -75,92 +70,6 @@ class Shortfall:
   def missing(self) -> int:
     """Bytes missing."""
     return self.needed - self.available
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-  """One item of the plan: what it is, the tier that holds it, its bytes, and why there.
-
-  Attributes:
-    what: the item, e.g. ``"stack weights (bf16)"``.
-    tier: ``"device"``, ``"host"``, ``"nvme"``, or ``"none"`` (never whole anywhere).
-    nbytes: its bytes in that tier (peak, for the device's items).
-    reason: why the planner put it there.
-  """
-
-  what: str
-  tier: str
-  nbytes: int
-  reason: str
-
-
-DEFAULT_MEMORY_FRACTION = 0.75
-"""The share of a GPU's memory JAX takes unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise."""
-
-ACCUMULATOR_ITEMSIZE = 4
-"""Bytes per parameter of `value_and_update`'s gradient accumulators (``accumulator_dtype`` float32,
-as ``optax.MultiSteps``), in host memory for a stack."""
-
-
-def memory_fraction_from_env() -> float:
-  """The share of a GPU's memory JAX may take: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else 0.75.
-
-  Examples:
-    >>> 0 < memory_fraction_from_env() <= 1
-    True
-  """
-  value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-  if not value:
-    return DEFAULT_MEMORY_FRACTION
-  try:
-    fraction = float(value)
-  except ValueError:
-    raise ValueError(
-      f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} is not a number: JAX reads it as the share of the "
-      "GPU's memory it takes (e.g. .95); unset it for JAX's default 0.75."
-    ) from None
-  return _check_fraction(fraction, "XLA_PYTHON_CLIENT_MEM_FRACTION")
-
-
-def _check_fraction(fraction: Any, name: str = "memory_fraction") -> float:
-  if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
-    raise ValueError(f"{name} must be a number in (0, 1], got {fraction!r}.")
-  return float(fraction)
-
-
-def check_nvme_dir(nvme_dir: str | os.PathLike) -> str:
-  """Checks that `nvme_dir` is a writable directory, or can be created as one; returns its path.
-
-  Raises:
-    ValueError: it is a file, or neither it nor the parent it would be created in is writable.
-
-  Examples:
-    >>> check_nvme_dir("/proc/version")
-    Traceback (most recent call last):
-    ValueError: --nvme-dir /proc/version exists and is not a directory: give a directory (it is created if missing).
-  """
-  path = os.path.abspath(os.fspath(nvme_dir))
-  if os.path.exists(path):
-    if not os.path.isdir(path):
-      raise ValueError(
-        f"--nvme-dir {path} exists and is not a directory: give a directory (it is created if "
-        "missing)."
-      )
-    if not os.access(path, os.W_OK | os.X_OK):
-      raise ValueError(
-        f"--nvme-dir {path} is not writable by this user: give a directory you can write, or "
-        "change its permissions."
-      )
-    return path
-  parent = os.path.dirname(path)
-  while not os.path.exists(parent):
-    parent = os.path.dirname(parent)
-  if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-    raise ValueError(
-      f"--nvme-dir {path} does not exist and cannot be created: {parent} is not a writable "
-      "directory. Create it (mkdir -p) or give a directory on a disk you can write."
-    )
-  return path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +206,7 @@ class Estimate:
   @property
   def placements(self) -> tuple[Placement, ...]:
     """What the plan put where and why, item by item (see `Placement`)."""
-    return _placements(self)
+    return host_budget.placements(self)
 
   @property
   def nvme_disk_bytes(self) -> int:
@@ -329,7 +238,9 @@ class Estimate:
       )
     if self.host_memory is not None and self.host_total_bytes > self.host_memory:
       out.append(
-        Shortfall("host", self.host_total_bytes, self.host_memory, self._host_memory_advice())
+        Shortfall(
+          "host", self.host_total_bytes, self.host_memory, host_budget.host_memory_advice(self)
+        )
       )
     if self.nvme_capacity is not None and self.nvme_disk_bytes > self.nvme_capacity:
       out.append(
@@ -343,35 +254,6 @@ class Estimate:
         )
       )
     return tuple(out)
-
-  def _host_memory_advice(self) -> str:
-    fmt = format_bytes
-    fixed = self.host_weight_bytes + self.accumulator_bytes
-    budget = self.host_memory or 0
-    if fixed > budget or (self.nvme and fixed + self.nvme_buffer_bytes > budget):
-      weights = self.host_weight_bytes if self.update_in_backward else self.host_weight_bytes // 2
-      parts = [f"the stack's weights {fmt(weights)}"]
-      if not self.update_in_backward:
-        parts.append(f"gradients {fmt(self.host_weight_bytes // 2)}")
-      if self.accumulator_bytes:
-        parts.append(
-          f"gradient accumulators {fmt(self.accumulator_bytes)} (accumulate={self.accumulate})"
-        )
-      if self.nvme_buffer_bytes:
-        parts.append(f"NVMe staging buffers {fmt(self.nvme_buffer_bytes)}")
-      advice = (
-        f"{' + '.join(parts)} must stay in host memory (weights, gradients and accumulators on "
-        f"NVMe are not implemented): raise --host-memory to at least {fmt(fixed + self.nvme_buffer_bytes)}"
-      )
-      if not self.update_in_backward:
-        advice += ", or update in the backward pass (--update-in-backward yes: no whole gradients)"
-      elif self.accumulator_bytes:
-        advice += ", or take one micro-batch per step (--accumulate 1: no accumulators)"
-      return advice + "."
-    return (
-      f"the offloaded state does not fit beside the rest: give an NVMe tier (--nvme-dir) for it, "
-      f"or raise --host-memory to at least {fmt(self.host_total_bytes)}."
-    )
 
   @property
   def fits(self) -> bool:
@@ -464,108 +346,6 @@ class Estimate:
 
   def __str__(self) -> str:
     return report.report(self)
-
-
-def _placements(e: Estimate) -> tuple[Placement, ...]:
-  """The items of `e`'s plan, each with its tier and the reason for it."""
-  out = []
-  add = lambda *a: out.append(Placement(*a))  # noqa: E731
-  state = "optimizer state" + (" and master copy" if e.master_bytes else "")
-  if e.weights_on == "host":
-    weights = e.host_weight_bytes if e.update_in_backward else e.host_weight_bytes // 2
-    add(
-      f"layer stack's weights ({e.param_dtype})",
-      "host",
-      weights,
-      "touched most: read in the forward and backward passes and rewritten by every update; "
-      "kept in host memory first (weights on NVMe are not implemented)",
-    )
-    if e.update_in_backward:
-      add(
-        "layer stack's gradients",
-        "none",
-        0,
-        "never whole: each layer's gradient is consumed by its update inside the backward pass "
-        "(oo.value_and_update)",
-      )
-    else:
-      add(
-        "layer stack's gradients",
-        "host",
-        e.host_weight_bytes // 2,
-        "written by the backward pass, read by the update after it (oo.update_and_apply)",
-      )
-    if e.accumulator_bytes:
-      add(
-        "gradient accumulators (fp32)",
-        "host",
-        e.accumulator_bytes,
-        f"read and written by each of the {e.accumulate} micro-batches' backward passes",
-      )
-    add(
-      "layer stack on the device",
-      "device",
-      e.stack_layer_bytes,
-      (
-        f"{FUSED_WEIGHT_LAYERS_ON_DEVICE} layers of weights and {FUSED_GRAD_LAYERS_ON_DEVICE} of "
-        "gradients at once"
-        + (
-          f" ({plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE} of accumulators)"
-          if e.accumulator_bytes
-          else ""
-        )
-        + ", each fetched one layer ahead; the update window beside them"
-        if e.update_in_backward
-        else f"{scan_lib.WEIGHT_LAYERS_ON_DEVICE} layers of weights and "
-        f"{scan_lib.GRAD_LAYERS_ON_DEVICE} of gradients at once, each fetched one layer ahead"
-      ),
-    )
-  if e.param_bytes or e.weights_on == "device":
-    where = " outside the stack" if e.weights_on == "host" else ""
-    add(
-      f"params and grads{where}",
-      "device",
-      e.param_bytes + e.grad_bytes,
-      "the device computes with them"
-      + ("" if e.weights_on == "host" else " (--weights-on host streams a layer stack instead)"),
-    )
-  if e.window_peak:
-    add(
-      "update window",
-      "device",
-      e.window_peak,
-      f"offloaded {state} pass through it group by group (window_bytes {format_bytes(e.window_bytes)})",
-    )
-  if e.device_state_bytes:
-    add("small leaves' state", "device", e.device_state_bytes, "leaves under min_size stay")
-  if e.host_bytes or not e.nvme_bytes:
-    if e.host_memory is not None:
-      why = "read and written once a step by the update: it fills the host budget left"
-    elif e.host_limit is not None:
-      why = "up to --host-limit (the state's own bound)"
-    else:
-      why = "no host budget given: all of it"
-    add(f"{state} in host memory", "host", e.host_bytes, why)
-  if e.nvme_bytes:
-    add(
-      f"{state} on NVMe",
-      "nvme",
-      e.nvme_bytes,
-      "touched least (read and written once a step): what does not fit in host memory; "
-      "read ahead in update order, written behind",
-    )
-    add(
-      "NVMe staging buffers",
-      "host",
-      e.nvme_buffer_bytes,
-      (
-        f"the NVMe groups of {plan_lib.FUSED_NVME_LAYERS_HELD} layers (the pair being updated in "
-        "the backward pass), one group read ahead, one written behind"
-        if e.update_in_backward
-        else f"{NVME_BUFFER_GROUPS} groups: one read ahead, one written behind, one in use"
-      ),
-    )
-  return tuple(out)
 
 
 def _param_tree(params: Any) -> Any:
@@ -737,7 +517,7 @@ def estimate(
   if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
     raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
   card = parse_bytes(device_memory, "device_memory")
-  fraction = None if memory_fraction is None else _check_fraction(memory_fraction)
+  fraction = None if memory_fraction is None else host_budget.check_fraction(memory_fraction)
   device_memory = card if card is None or fraction is None else int(card * fraction)
   host_limit = parse_bytes(host_limit, "host_limit")
   host_memory = parse_bytes(host_memory, "host_memory")
@@ -748,7 +528,7 @@ def estimate(
   moments = compress.parse_moment_dtype(moment_dtype)
   capacity = nvme_size
   if nvme_dir is not None:
-    free = free_disk(check_nvme_dir(nvme_dir))
+    free = free_disk(host_budget.check_nvme_dir(nvme_dir))
     capacity = free if nvme_size is None else min(nvme_size, free)
   opt_name, opt = named_optimizers.lookup(optimizer)
   common = dict(
@@ -802,7 +582,7 @@ def estimate(
     def base(c):
       return _estimate_tree(derived, master, c)
 
-  fused, why = _choose_update_in_backward(
+  fused, why = host_budget.choose_update_in_backward(
     update_in_backward, stack, update_on, host_memory, accumulate
   )
   if accumulate > 1 and not fused:
@@ -811,34 +591,18 @@ def estimate(
       "(value_and_update's host-memory accumulators: --weights-on host --layers N, without "
       "--update-in-backward no), or plan one micro-batch per step."
     )
-  stack_params = sum(size for _, _, size in stack)
-  accumulators = ACCUMULATOR_ITEMSIZE * stack_params if fused and accumulate > 1 else 0
+  accumulators = host_budget.accumulator_bytes(stack, fused, accumulate)
 
   def build(state_limit):
     e = base(dict(common, host_limit=state_limit))
     if stack:
-      e = _with_weights_on_host(e, stack, fused, accumulate, accumulators)
+      e = host_budget.with_weights_on_host(e, stack, fused, accumulate, accumulators)
     return e
 
   if host_memory is None:
     e = build(host_limit)
   else:
-    # Most touched first: the stack's weights (read in the forward and backward passes and by the
-    # update), its gradients or accumulators, then the NVMe tier's buffers; the optimizer state
-    # (read and written once a step) fills what is left, the rest goes to NVMe.
-    weights = sum(nbytes for nbytes, _, _ in stack)
-    fixed = (weights if fused else 2 * weights) + accumulators
-    limit = max(0, host_memory - fixed)
-    if host_limit is not None:
-      limit = min(limit, host_limit)
-    e = build(limit)
-    for _ in range(8):  # the NVMe tier's buffers come out of the host budget too
-      over = e.host_total_bytes - host_memory
-      if over <= 0 or not e.nvme or limit == 0:
-        break
-      # The buffers grow as the limit shrinks (and round up): close in, then step past rounding.
-      limit = max(0, limit - (over if over > 4096 else 2 * over + 64))
-      e = build(limit)
+    e = host_budget.fit_host_memory(build, host_memory, host_limit, stack, fused, accumulators)
   return dataclasses.replace(
     e,
     host_limit=host_limit,
@@ -849,118 +613,6 @@ def estimate(
     update_in_backward_reason=why,
     accumulate=accumulate,
     accumulator_bytes=accumulators,
-  )
-
-
-def _choose_update_in_backward(
-  given: bool | None, stack: list, update_on: str, host_memory: int | None, accumulate: int
-) -> tuple[bool, str | None]:
-  """Whether the stack's update runs in the backward pass, and why."""
-  weights = sum(nbytes for nbytes, _, _ in stack)
-  if given is True:
-    if not stack:
-      raise ValueError(
-        'update_in_backward needs a layer stack in pinned host memory (weights_on="host", '
-        "--weights-on host --layers N): value_and_update updates the stack that offloaded_scan "
-        "streams."
-      )
-    return True, "as asked (--update-in-backward yes)"
-  if given is False or not stack or update_on != "device":
-    return False, None
-  if accumulate > 1:
-    return True, (
-      f"chosen: accumulate={accumulate} accumulates the stack's gradients in its backward passes "
-      "(--update-in-backward no to refuse)"
-    )
-  if host_memory is not None and 2 * weights > host_memory:
-    return True, (
-      f"chosen: the stack's weights and gradients ({format_bytes(2 * weights)}) do not fit in "
-      f"--host-memory {format_bytes(host_memory)} (--update-in-backward no to refuse)"
-    )
-  return False, None
-
-
-def _with_weights_on_host(
-  e: Estimate,
-  stack: list[tuple[int, int, int]],
-  fused: bool = False,
-  accumulate: int = 1,
-  accumulators: int = 0,
-) -> Estimate:
-  """`e` with the weights of `stack` ((bytes, layers, params) per leaf) in pinned host memory.
-
-  After the backward pass (`update_and_apply`): the gradients live in pinned host memory too; the
-  device holds `offloaded_scan.WEIGHT_LAYERS_ON_DEVICE` layers of their weights and
-  `offloaded_scan.GRAD_LAYERS_ON_DEVICE` of their gradients during the forward and backward
-  passes, and after them the update streams (weights, gradients, state) through the window. Per
-  step the weights cross the link four times (forward, backward, into the update and back) and
-  the gradients twice.
-
-  In the backward pass (`value_and_update`, `fused`): no whole gradients anywhere; the device holds
-  `FUSED_WEIGHT_LAYERS_ON_DEVICE` and `FUSED_GRAD_LAYERS_ON_DEVICE` layers (and with accumulators
-  `plan.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE` layers of them) and the window at once.
-  Per micro-batch the weights cross the link twice (forward, backward) and once more per step
-  (the new weights); the accumulators 2 (accumulate - 1) times a step.
-  """
-  weights = sum(nbytes for nbytes, _, _ in stack)
-  per_layer = sum(-(-nbytes // n) for nbytes, n, _ in stack)
-  window = e.window_peak
-  if e.plan is None:  # a bare count: the window now carries weights and gradients with the state
-    window = min(e.window_bytes, e.offloaded_bytes + 2 * weights)
-  stack_layer_bytes = 0
-  buffers = e.nvme_buffer_bytes
-  if fused and e.nvme_bytes:
-    # The groups of a pair of layers stay in host memory until complete, beside one group read
-    # ahead and one written behind (nvme_tier/layers.py with value_and_update).
-    group = e.nvme_buffer_bytes // NVME_BUFFER_GROUPS
-    buffers = _fused_nvme_held(e, stack) + 2 * group
-  if fused:
-    layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
-    if accumulators:  # fp32 rows of the accumulators come in with their layers' weights
-      per_layer_params = sum(-(-size // n) for _, n, size in stack)
-      stack_layer_bytes = (
-        plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE * per_layer_params * ACCUMULATOR_ITEMSIZE
-      )
-    host_weights = weights
-    link = e.link_bytes + (2 * accumulate + 1) * weights + 2 * (accumulate - 1) * accumulators
-  else:
-    layers_on_device = scan_lib.WEIGHT_LAYERS_ON_DEVICE + scan_lib.GRAD_LAYERS_ON_DEVICE
-    host_weights = 2 * weights
-    link = e.link_bytes + 6 * weights
-  return dataclasses.replace(
-    e,
-    weights_on="host",
-    param_bytes=e.param_bytes - weights,
-    grad_bytes=e.grad_bytes - weights,
-    stack_layer_bytes=stack_layer_bytes + layers_on_device * per_layer,
-    nvme_buffer_bytes=buffers,
-    host_weight_bytes=host_weights,
-    window_peak=window,
-    link_bytes=link,
-    accumulate=accumulate,
-    accumulator_bytes=accumulators,
-  )
-
-
-def _fused_nvme_held(e: Estimate, stack: list[tuple[int, int, int]]) -> int:
-  """Host bytes of the stack's NVMe state that the update in the backward pass holds at once: the
-  store groups that the pair of layers in flight touches, each held until all its rows are
-  written. For a bare count, two layers of it (groups of one layer row); with shapes, per NVMe leaf
-  that streams with its weights (`LeafInfo.moving_bytes`), two of its row slices (the plan's
-  pieces), or the whole leaf when it is not sliced."""
-  layers = stack[0][1]
-  held = min(plan_lib.FUSED_NVME_LAYERS_HELD, layers)
-  if e.plan is None:
-    return held * -(-e.nvme_bytes // layers)
-  slice_rows = {}
-  for unit in e.plan.units:
-    for piece in unit:
-      rows = layers if piece.start is None else piece.stop - piece.start
-      slice_rows[piece.leaf] = max(slice_rows.get(piece.leaf, 0), rows)
-  return sum(
-    min(held * slice_rows.get(i, layers), layers) * -(-leaf.held_bytes // layers)
-    for i, (leaf, tier) in enumerate(zip(e.leaves, e.plan.tiers))
-    if leaf.moving_bytes and tier is plan_lib.Tier.NVME
   )
 
 
