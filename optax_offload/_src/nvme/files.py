@@ -273,9 +273,11 @@ class Spares:
   with ``O_DIRECT`` and fsync: 0.85-1.05 s fresh, 0.66-0.69 s overwritten; measured once here with
   ``/tmp`` scripts). So a dropped generation is renamed ``spare_gen_*`` instead, and a leaf of a new
   generation takes its old directory by one rename; `chunk_io` then writes the chunk files over in
-  place, except files with other hard links (a checkpoint's), which it replaces. At most one spare
-  (the older one's leftovers are deleted when another generation is dropped), and only while it and
-  the generation directories number at most `limit`, so the store's disk bound holds (a leaf a new
+  place. A generation with files that have other hard links (a checkpoint's) is deleted, not
+  kept: the store keeps no names of a checkpoint's files (`chunk_io` also replaces such a file
+  rather than write over it). At most one spare (the older one's leftovers are deleted when
+  another generation is dropped), and only while it and the generation directories number at
+  most `limit`, so the store's disk bound holds (a leaf a new
   generation takes from the spare moves its blocks; it adds none). Spares are never read; opening
   and closing a store delete them.
 
@@ -306,6 +308,10 @@ class Spares:
     """Keeps a dropped generation's directory as the spare, or deletes it (see `Spares`)."""
     target = self._dir / (format_lib.SPARE_PREFIX + generation_dir.name)
     try:
+      if _has_linked_files(generation_dir):
+        # A checkpoint holds these files: the next writes would replace them, not reuse them, and
+        # a spare would keep the store's names on the checkpoint's blocks.
+        raise OSError(errno.EMLINK, "files shared with a checkpoint")
       others = [e for e in os.listdir(self._dir) if format_lib.generation_of(e) is not None]
       if len(others) > self._limit:  # `others` includes the dropped generation: one is the spare
         raise OSError(errno.ENOSPC, "over the store's bound of generations on disk")
@@ -359,3 +365,15 @@ def remove_generations(
     if generation is not None and generation not in keep:
       logger.log(level, message, directory, entry)
       remove_tree(directory / entry)
+
+
+def _has_linked_files(directory: pathlib.Path) -> bool:
+  """Whether a file under `directory` has another hard link (a checkpoint's)."""
+  for root, _, names in os.walk(directory):
+    for name in names:
+      try:
+        if os.stat(os.path.join(root, name)).st_nlink > 1:
+          return True
+      except OSError:
+        continue
+  return False
