@@ -468,12 +468,8 @@ class _Simulator:
         # behind everything queued. Unbounded (None): every read is read ahead.
         ahead = read if self.read_ahead_bytes is None else min(read, self.read_ahead_bytes)
         ahead_s = ahead / hw.nvme_read
-        if self.read_ahead_bytes is None:
-          s.disk += ahead_s  # as soon as the disk is free
-          ahead_end = s.disk
-        else:
-          ahead_end = max(s.window_open, s.window_disk) + ahead_s
-          s.disk = max(s.disk + ahead_s, ahead_end)  # work queued since waits behind it
+        ahead_end = max(s.window_open, s.window_disk) + ahead_s
+        s.disk = max(s.disk + ahead_s, ahead_end)  # work queued since waits behind it
         t = max(t, ahead_end)
         if read > ahead:
           s.disk = max(s.disk, ready) + (read - ahead) / hw.nvme_read
