@@ -68,9 +68,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import optax_offload as oo  # noqa: E402
 from benchmarks import llama  # noqa: E402
+from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
 from optax_offload._src import gpu_program  # noqa: E402
 from optax_offload._src import hlo_cost  # noqa: E402
-from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
 
 VARIANTS = ("plain_bf16", "offload_state", "offload_all", "fused_state", "fused_all", "fused_nvme")
 STACK_ON_HOST = ("offload_all", "fused_all", "fused_nvme")
@@ -166,9 +166,7 @@ def variant_step(cfg: llama.Config, variant: str, tx, k: int):
   return step
 
 
-def compile_variant(
-  cfg, variant: str, target: str, micro_batch: int, k: int, window: int, tx=None
-):
+def compile_variant(cfg, variant: str, target: str, micro_batch: int, k: int, window: int, tx=None):
   """The training step of `variant` for k micro-batches of `micro_batch` sequences, compiled
   (`tx`: the offloaded optimizer, default `offloaded_adamw`)."""
   tokens = jax.ShapeDtypeStruct((k, micro_batch, SEQ + 1), jnp.int32, sharding=llama.DEVICE)
@@ -290,7 +288,9 @@ def nvme_disk_io(hlo: str) -> tuple[dict[str, tuple[float, float]], dict[str, in
   runs: dict[str, int] = {}
   for comp, instrs in schedule.computations.items():
     for instr in instrs:
-      scope = [k for k in NVME_SCOPES if k in instr.text] if instr.name in schedule.callbacks else []
+      scope = (
+        [k for k in NVME_SCOPES if k in instr.text] if instr.name in schedule.callbacks else []
+      )
       if not scope:
         continue
       (scope,) = scope
@@ -334,7 +334,9 @@ def rows_for_nvme(name: str, target: str, args) -> list[dict]:
   # The callbacks' shapes account for every NVMe byte of the plan, read once and written once.
   for moved in (t.disk_read_bytes, t.disk_write_bytes):
     if abs(moved - e.nvme_bytes) > 1e-6 * e.nvme_bytes:
-      raise AssertionError(f"the callbacks move {moved:.0f} bytes, the plan has {e.nvme_bytes} on NVMe")
+      raise AssertionError(
+        f"the callbacks move {moved:.0f} bytes, the plan has {e.nvme_bytes} on NVMe"
+      )
   # Host bytes: the plan's (stack weights, state, the tier's staging buffers: one group read
   # ahead and one written behind), plus the groups a deeper prefetch or write-behind holds.
   host = e.host_total_bytes + (options.prefetch_depth + options.write_depth - 2) * group
@@ -386,16 +388,65 @@ def rows_for_nvme(name: str, target: str, args) -> list[dict]:
     "modelled": True,
   }
   assert t.step_s >= t.compute_s * (1 - 1e-9) and row["mfu"] <= 1.0, row
+  _print_nvme_row(row, args)
+  rows = [row]
+  if args.project_int8:
+    rows.append(_int8_projection(row, c.hlo, disk, hw, e, group, options, args))
+  return rows
+
+
+INT8_BLOCK = 256
+"""Elements per fp32 scale of the projected 8-bit moments (torchao's AdamW8bit; bitsandbytes'
+blockwise 8-bit optimizers use 2048)."""
+
+
+def _int8_projection(row, hlo, disk, hw, e, group, options, args) -> dict:
+  """A projection, not a compiled program: the bf16-moment program re-timed with each NVMe
+  callback's disk bytes scaled to 8-bit block-quantized moments (1 byte per moment element and
+  one fp32 scale per `INT8_BLOCK`, beside the fp32 master): the same placement, device and link
+  bytes as bf16's (an int8 program would move fewer bytes over the link too)."""
+  if args.moment_dtype != "bf16":
+    raise ValueError("--project-int8 re-times the bf16-moment program: give --moment-dtype bf16")
+  scale = (4 + 2 * (1 + 4 / INT8_BLOCK)) / (4 + 2 * 2)
+  scaled = {k: (r * scale, w * scale) for k, (r, w) in disk.items()}
+  t = oo.timeline(
+    hlo,
+    hw,
+    disk=scaled,
+    read_ahead_bytes=options.prefetch_depth * group * scale,
+    write_behind_bytes=options.write_depth * group * scale,
+  )
+  tokens = row["tokens_per_step"]
+  out = dict(
+    row, moment_dtype="int8 (projected)", projected=True, nvme_bytes=int(e.nvme_bytes * scale)
+  )
+  out.update(
+    step_s=t.step_s,
+    disk_s=t.disk_s,
+    disk_wait_s=t.disk_wait_s,
+    tokens_per_s=tokens / t.step_s,
+    model_tflops=6 * row["params"] * tokens / t.step_s / 1e12,
+    mfu=6 * row["params"] * tokens / t.step_s / hw.tensor_flops,
+    step_over_compute=t.step_s / t.compute_s,
+    bottleneck=t.bottleneck,
+  )
+  _print_nvme_row(out, args)
+  return out
+
+
+def _print_nvme_row(row, args) -> None:
+  del args
+  GiB_ = GiB
   print(
-    f"{name:>4} {target:13s} fused_nvme({args.moment_dtype}) tokens/step {tokens:>7d}"
-    f" step {t.step_s:8.2f}s compute {t.compute_s:8.2f}s disk {t.disk_s:7.2f}s"
-    f" (waited {t.disk_wait_s:.2f}s) {row['model_tflops']:6.1f} TFLOPS"
-    f" {row['tokens_per_s']:8.0f} tok/s device {c.device_bytes / GiB:6.1f} GiB host"
-    f" {host / GiB:6.2f} GiB nvme {e.nvme_bytes / GiB:6.2f} GiB fits {fits!s:5s}"
-    f" [{t.bottleneck}] compile {c.compile_s:.0f}s",
+    f"{row['model']:>4} {row['target']:13s} fused_nvme({row['moment_dtype']})"
+    f" tokens/step {row['tokens_per_step']:>7d} step {row['step_s']:8.2f}s"
+    f" compute {row['compute_s']:8.2f}s disk {row['disk_s']:7.2f}s"
+    f" (waited {row['disk_wait_s']:.2f}s) {row['model_tflops']:6.1f} TFLOPS"
+    f" {row['tokens_per_s']:8.0f} tok/s device {row['device_bytes'] / GiB_:6.1f} GiB host"
+    f" {row['host_bytes'] / GiB_:6.2f} GiB nvme {row['nvme_bytes'] / GiB_:6.2f} GiB"
+    f" fits {row['fits']!s:5s} [{row['bottleneck']}] compile {row['compile_s']:.0f}s",
     flush=True,
   )
-  return [row]
 
 
 def rows_for(name: str, variant: str, target: str, args) -> list[dict]:
@@ -533,6 +584,11 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--nvme-dir", default=None, help="fused_nvme: NVMe tier directory (temp)")
   parser.add_argument("--prefetch-depth", type=int, default=1, help="fused_nvme: NvmeOptions")
   parser.add_argument("--write-depth", type=int, default=1, help="fused_nvme: NvmeOptions")
+  parser.add_argument(
+    "--project-int8",
+    action="store_true",
+    help="fused_nvme with --moment-dtype bf16: add a row re-timed for 8-bit moments (projected)",
+  )
   parser.add_argument("--json", default=None, help="write one JSON object per row here")
   args = parser.parse_args(argv)
   args.host_memory = oo.parse_bytes(args.host_memory, "--host-memory")

@@ -672,7 +672,10 @@ def timeline(
   parsed = hlo_cost.Module(hlo)
   if not parsed.entry:
     raise ValueError("No ENTRY computation in the HLO text.")
-  for name, value in (("read_ahead_bytes", read_ahead_bytes), ("write_behind_bytes", write_behind_bytes)):
+  for name, value in (
+    ("read_ahead_bytes", read_ahead_bytes),
+    ("write_behind_bytes", write_behind_bytes),
+  ):
     if value is not None and value < 0:
       raise ValueError(f"timeline: {name} must be >= 0 or None, got {value}.")
   sim = _Simulator(

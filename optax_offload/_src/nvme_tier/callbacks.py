@@ -166,9 +166,7 @@ class TracedTier:
 
     out_specs = [P(), *[a.spec for a, _ in members]]
     with jax.named_scope(FETCH_SCOPE):  # the step-time model finds the disk reads by this name
-      token, *flat = self._shard_local(
-        _fetch, [_TOKEN, *shapes], out_specs, token, in_specs=(P(),)
-      )
+      token, *flat = self._shard_local(_fetch, [_TOKEN, *shapes], out_specs, token, in_specs=(P(),))
     return dict(zip([key for key, _ in self.tier.members[sg]], flat)), token
 
   def put(self, plan_group: int, token: jax.Array, parts: Mapping[int, Any]) -> jax.Array:
