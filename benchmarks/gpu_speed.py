@@ -46,6 +46,8 @@ run no further ahead than the buffers allow.
 
     python benchmarks/gpu_speed.py --json bench_out/gpu_speed.jsonl      # the default rows
     python benchmarks/gpu_speed.py --models 13B --targets rtx4090_24gb --variants fused_all
+    python benchmarks/gpu_speed.py --models 13B --targets rtx4090_24gb --variants fused_nvme \
+        --host-memory 48GiB --micro-batch 7 [--moment-dtype bf16 --project-int8]
 """
 
 from __future__ import annotations
@@ -562,7 +564,11 @@ def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument("--models", default=DEFAULT_MODELS, help=f"of {', '.join(llama.CONFIGS)}")
   parser.add_argument("--targets", default=DEFAULT_TARGETS)
-  parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {', '.join(VARIANTS)}")
+  parser.add_argument(
+    "--variants",
+    default=None,
+    help=f"of {', '.join(VARIANTS)} (default {DEFAULT_VARIANTS}, and fused_nvme with --host-memory)",
+  )
   parser.add_argument("--host", default="desktop", help="host profile: desktop or server")
   parser.add_argument(
     "--host-memory", default=None, help="pinned host memory available, e.g. 48GiB"
@@ -592,6 +598,8 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--json", default=None, help="write one JSON object per row here")
   args = parser.parse_args(argv)
   args.host_memory = oo.parse_bytes(args.host_memory, "--host-memory")
+  if args.variants is None:
+    args.variants = DEFAULT_VARIANTS + (",fused_nvme" if args.host_memory is not None else "")
   for v in args.variants.split(","):
     if v not in VARIANTS:
       parser.error(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}")
