@@ -330,6 +330,8 @@ def rows_for_nvme(name: str, target: str, args) -> list[dict]:
   disk, runs = nvme_disk_io(c.hlo)
   group = nvme_group_bytes(e)
   read_ahead, write_behind = options.prefetch_depth * group, options.write_depth * group
+  if args.disk_unbounded:  # a what-if: the disk reads everything ahead, writes everything behind
+    read_ahead = write_behind = None
   t = oo.timeline(
     c.hlo, hw, disk=disk, read_ahead_bytes=read_ahead, write_behind_bytes=write_behind
   )
@@ -590,6 +592,11 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--nvme-dir", default=None, help="fused_nvme: NVMe tier directory (temp)")
   parser.add_argument("--prefetch-depth", type=int, default=1, help="fused_nvme: NvmeOptions")
   parser.add_argument("--write-depth", type=int, default=1, help="fused_nvme: NvmeOptions")
+  parser.add_argument(
+    "--disk-unbounded",
+    action="store_true",
+    help="fused_nvme what-if: no bound on the disk's read-ahead and write-behind (no store has it)",
+  )
   parser.add_argument(
     "--project-int8",
     action="store_true",
