@@ -656,8 +656,8 @@ def timeline(
     read_ahead_bytes: with `disk_overlap`, the most bytes the disk reads ahead of the callback
       that needs them: they are read from when the previous reading callback returned (the
       store's prefetch window opens at each fetch), and the rest when the callback asks. The NVMe
-      tier reads ahead ``prefetch_depth`` store groups. None: no bound (reads start as soon as
-      the disk is free, however far ahead: more than any store's buffers allow).
+      tier reads ahead ``prefetch_depth`` store groups. None: no bound (each callback's reads
+      all read ahead from that moment: more than any store's buffers allow).
     write_behind_bytes: with `disk_overlap`, the most bytes left to write when a writing
       callback returns (the NVMe tier's ``write_depth`` store groups: its ``put`` blocks beyond
       them). None: no bound.
