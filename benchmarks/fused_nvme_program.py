@@ -7,13 +7,24 @@ offloaded state on NVMe (``--tier nvme``, a temporary directory) or in pinned ho
 computation: callbacks, executions per step). `tests/test_fused_nvme.py` pins the 6-layer NVMe
 figures.
 
+``--model 13B`` (or another `benchmarks.llama` size) compiles the model's real step instead: bf16
+weights in pinned host memory (`oo.offloaded_scan`), AdamW with an fp32 master copy, the update in
+the backward pass (`oo.value_and_update`), one micro-batch of ``--micro-batch`` x 2,048 tokens,
+Pallas flash attention, the state placed by the one-host-budget plan for ``--host-memory``
+(`benchmarks.gpu_speed.nvme_plan`: what the stack's weights and the staging buffers leave holds
+state in host memory, the rest is on NVMe), at full depth, and prints XLA's device and host bytes,
+the callbacks per step, the copies in flight during a matmul and the compile time.
+`benchmarks/gpu_speed.py --variants fused_nvme` models its speed.
+
     python benchmarks/fused_nvme_program.py --layers 6 --tier nvme
     python benchmarks/fused_nvme_program.py --layers 12 --tier host
+    python benchmarks/fused_nvme_program.py --model 13B --host-memory 48GiB
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -28,6 +39,53 @@ import optax  # noqa: E402
 import optax_offload as oo  # noqa: E402
 from benchmarks import llama  # noqa: E402
 from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
+from optax_offload._src import gpu_program  # noqa: E402
+
+GiB = 1 << 30
+
+
+def model_program(args) -> None:
+  """The real model's fused NVMe step (``--model``): its bytes, callbacks, overlap, compile time."""
+  from benchmarks import gpu_speed
+
+  args.host_memory = oo.parse_bytes(args.host_memory, "--host-memory")
+  args.nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="fused_nvme_program_")
+  args.moment_dtype = args.moment_dtype or "fp32"
+  cfg = dataclasses.replace(llama.CONFIGS[args.model], attention="flash")
+  window = int(args.window_fraction * gpu_speed.MEMORY[args.target])
+  e = gpu_speed.nvme_plan(cfg, args.target, args, window)
+  moments = {} if args.moment_dtype == "fp32" else {"moment_dtype": args.moment_dtype}
+  tx = oo.offload(
+    optax.adamw(1e-4),
+    master_dtype=jnp.float32,
+    window_bytes=window,
+    host_limit=e.host_bytes,
+    nvme_dir=args.nvme_dir,
+    **moments,
+  )
+  c = gpu_speed.compile_variant(cfg, "fused_nvme", args.target, args.micro_batch, 1, window, tx=tx)
+  schedule = gpu_program.parse_schedule(c.hlo)
+  _, runs = gpu_speed.nvme_disk_io(c.hlo)
+  per_step = sum(
+    schedule.executions(comp)
+    for comp, instrs in schedule.computations.items()
+    for i in instrs
+    if i.name in schedule.callbacks
+  )
+  print(f"{args.model} ({cfg.params:,} params), {cfg.layers} layers compiled, target {args.target}")
+  print(
+    f"plan for --host-memory {args.host_memory / GiB:.2f} GiB: state in host memory"
+    f" {e.host_bytes / GiB:.2f} GiB (host_limit={e.host_bytes}), NVMe {e.nvme_bytes / GiB:.2f} GiB,"
+    f" host in all {e.host_total_bytes / GiB:.2f} GiB"
+  )
+  print(f"device bytes {c.device_bytes} ({c.device_bytes / GiB:.2f} GiB, memory_analysis)")
+  print(f"host bytes {c.host_bytes} ({c.host_bytes / GiB:.2f} GiB, XLA's pinned-host buffers)")
+  print(f"callbacks per step {per_step}, of them NVMe: {runs}")
+  for d in ("to_device", "to_host"):
+    busy, total = schedule.overlap(d, per_execution=True)
+    hit, _ = schedule.overlap(d, per_execution=True, matmul=True)
+    print(f"copies {d} per step {total}: in flight during compute {busy}, during a matmul {hit}")
+  print(f"compile {c.compile_s:.1f} s")
 
 
 def main() -> None:
@@ -35,7 +93,15 @@ def main() -> None:
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--tier", choices=("nvme", "host"), default="nvme")
   parser.add_argument("--target", default="rtx4090_24gb")
+  parser.add_argument("--model", default=None, help="a benchmarks.llama size, e.g. 13B")
+  parser.add_argument("--host-memory", default="48GiB", help="--model: the host budget")
+  parser.add_argument("--micro-batch", type=int, default=4, help="--model: sequences of 2,048")
+  parser.add_argument("--moment-dtype", default=None, choices=("fp32", "bf16"))
+  parser.add_argument("--window-fraction", type=float, default=0.1, help="--model: window / card")
+  parser.add_argument("--nvme-dir", default=None, help="--model: NVMe tier directory (temp)")
   args = parser.parse_args()
+  if args.model is not None:
+    return model_program(args)
   cfg = llama.Config(d=64, layers=args.layers, ffn=128, heads=4, vocab=256)
   params = jax.device_put(llama.init_params(cfg, jax.random.key(0), jnp.float32), llama.DEVICE)
   params = dict(params, layers=oo.to_pinned_host(params["layers"]))

@@ -17,6 +17,14 @@ fp32 master copy for the others):
   gradients accumulated into host memory inside each backward pass and the update run inside the
   last one;
 * ``fused_all``: as ``fused_state`` with the stack's weights in pinned host memory.
+* ``fused_nvme``: as ``fused_all`` with the optimizer state (master copy and moments) placed by
+  the one-host-budget plan (`oo.estimate(..., host_memory=--host-memory, update_in_backward=True)`):
+  what the stack's weights and the NVMe tier's staging buffers leave of ``--host-memory`` holds
+  state in pinned host memory, the rest is on NVMe (``offload(host_limit=..., nvme_dir=...)``),
+  fetched and put by the tier's callbacks once per block of layers of the backward pass. One
+  micro-batch per step (the accumulators of a stack in host memory do not fit beside its weights
+  in 48 GiB: `plan` says so), compiled at the model's full depth (the plan places whole leaves, so
+  a shallower model's placement is not the same), ``--moment-dtype bf16`` for bf16 moments.
 
 How a row is obtained (all modelled): each variant is compiled for the target at two depths of
 the model's width (`--depths`, default 4 and 6 layers) with a micro-batch loop of `ACCUMULATE`
@@ -27,8 +35,19 @@ depths (the decoder's layers are one scanned loop body; the grouped update's gro
 with the layers). `--full-depth` compiles the real depth instead. Host and NVMe bytes are counted
 from the shapes (what the plan puts there).
 
+The disk (``fused_nvme``): XLA's program shows where the NVMe tier's callbacks run, not what they
+do on the host. Each callback's disk bytes are the NVMe arrays it returns (a fetch) or hands over
+(a put), read off its shapes in the HLO (their sum over the step is checked against the plan's
+NVMe bytes), at the host profile's NVMe read and write rates (`hosts.toml`: a PCIe 4.0 drive). The
+store reads ahead ``prefetch_depth`` store groups (from when the previous fetch returned) and
+lets ``write_depth`` groups wait to be written: `oo.timeline`'s ``read_ahead_bytes`` and
+``write_behind_bytes`` are those counts times the largest NVMe group, so the model lets the disk
+run no further ahead than the buffers allow.
+
     python benchmarks/gpu_speed.py --json bench_out/gpu_speed.jsonl      # the default rows
     python benchmarks/gpu_speed.py --models 13B --targets rtx4090_24gb --variants fused_all
+    python benchmarks/gpu_speed.py --models 13B --targets rtx4090_24gb --variants fused_nvme \
+        --host-memory 48GiB --micro-batch 7 [--moment-dtype bf16 --project-int8]
 """
 
 from __future__ import annotations
@@ -38,6 +57,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -51,8 +71,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import optax_offload as oo  # noqa: E402
 from benchmarks import llama  # noqa: E402
 from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
+from optax_offload._src import gpu_program  # noqa: E402
+from optax_offload._src import hlo_cost  # noqa: E402
 
-VARIANTS = ("plain_bf16", "offload_state", "offload_all", "fused_state", "fused_all")
+VARIANTS = ("plain_bf16", "offload_state", "offload_all", "fused_state", "fused_all", "fused_nvme")
+STACK_ON_HOST = ("offload_all", "fused_all", "fused_nvme")
 DEFAULT_MODELS = "1B"
 DEFAULT_TARGETS = "rtx4090_24gb"
 DEFAULT_VARIANTS = "plain_bf16,fused_all"
@@ -76,10 +99,11 @@ class Compiled:
   device_bytes: int
   compile_s: float
   loop_trip: int | None  # the micro-batch loop's trip count in the HLO (None: no loop)
+  host_bytes: int = 0  # XLA's pinned-host buffers (memory_analysis)
 
 
 def _params(cfg: llama.Config, variant: str) -> dict:
-  on_host = variant in ("offload_all", "fused_all")
+  on_host = variant in STACK_ON_HOST
   return llama.abstract_params(
     cfg, jnp.bfloat16, sharding=llama.DEVICE, stack_sharding=llama.HOST if on_host else None
   )
@@ -93,7 +117,7 @@ def offloaded_adamw(window: int):
 def variant_step(cfg: llama.Config, variant: str, tx, k: int):
   """The training step of `variant` over k micro-batches: ``step(params, state, tokens)`` with
   tokens of shape (k, micro_batch, seq + 1), returning (params, state, loss)."""
-  streamed = variant in ("offload_all", "fused_all", "fused_state")
+  streamed = variant in ("offload_all", "fused_all", "fused_state", "fused_nvme")
 
   def loss(p, t):
     return streamed_loss_fn(cfg, p, t) if streamed else llama.loss_fn(cfg, p, t)
@@ -144,12 +168,15 @@ def variant_step(cfg: llama.Config, variant: str, tx, k: int):
   return step
 
 
-def compile_variant(cfg, variant: str, target: str, micro_batch: int, k: int, window: int):
-  """The training step of `variant` for k micro-batches of `micro_batch` sequences, compiled."""
+def compile_variant(cfg, variant: str, target: str, micro_batch: int, k: int, window: int, tx=None):
+  """The training step of `variant` for k micro-batches of `micro_batch` sequences, compiled
+  (`tx`: the offloaded optimizer, default `offloaded_adamw`)."""
   tokens = jax.ShapeDtypeStruct((k, micro_batch, SEQ + 1), jnp.int32, sharding=llama.DEVICE)
   params = _params(cfg, variant)
   options = oo.STREAM_XLA_OPTIONS if variant != "plain_bf16" else None
-  if variant == "plain_bf16":
+  if tx is not None:
+    state = oo.abstract_state(tx, params)
+  elif variant == "plain_bf16":
     tx = optax.adamw(1e-4, mu_dtype=jnp.float32)
     state = jax.eval_shape(tx.init, params)
   else:
@@ -168,7 +195,9 @@ def compile_variant(cfg, variant: str, target: str, micro_batch: int, k: int, wi
   program = oo.compile_for_gpu(
     step, params, state, tokens, donate_argnums=(0, 1), target=target, xla_flags=options
   )
-  return Compiled(program.hlo, program.memory.device, time.perf_counter() - t0, trip)
+  return Compiled(
+    program.hlo, program.memory.device, time.perf_counter() - t0, trip, program.memory.host
+  )
 
 
 def with_trip_count(hlo: str, old: int, new: int) -> str:
@@ -212,7 +241,221 @@ def _per_layer_device_bytes(cfg, variant: str, micro_batch: int, k: int) -> int:
   return total
 
 
+NVME_SCOPES = {"nvme_layer_fetch": "read", "nvme_group_fetch": "read"}
+NVME_SCOPES.update(nvme_layer_put="write", nvme_group_put="write")
+"""The `jax.named_scope`s of the NVMe tier's callbacks (nvme_tier/layers.py, callbacks.py): a
+fetch's results are the NVMe arrays it read, a put's operands those it writes."""
+
+
+def nvme_plan(cfg, target: str, args, window: int) -> oo.Estimate:
+  """The one-host-budget plan of the model (its shapes) for `--host-memory` on `target`."""
+  if args.host_memory is None:
+    raise ValueError("fused_nvme needs --host-memory (e.g. 48GiB): the plan places the state by it")
+  return oo.estimate(
+    _params(cfg, "fused_nvme"),
+    optimizer=optax.adamw(1e-4),
+    master_dtype="fp32",
+    moment_dtype=None if args.moment_dtype == "fp32" else args.moment_dtype,
+    device_memory=MEMORY[target],
+    window_bytes=window,
+    host_memory=args.host_memory,
+    nvme_dir=args.nvme_dir,
+    update_in_backward=True,
+  )
+
+
+def nvme_group_bytes(e: oo.Estimate) -> int:
+  """The largest store group's NVMe bytes: a plan group's NVMe leaves or row slices of them."""
+  best = 0
+  for unit in e.plan.units:
+    total = 0
+    for piece in unit:
+      leaf = e.leaves[piece.leaf]
+      if e.plan.tiers[piece.leaf] is not oo.Tier.NVME:
+        continue
+      share = 1.0 if piece.whole else (piece.stop - piece.start) / leaf.rows
+      total += int(leaf.held_bytes * share)
+    best = max(best, total)
+  return best
+
+
+def nvme_disk_io(hlo: str) -> tuple[dict[str, tuple[float, float]], dict[str, int]]:
+  """Disk bytes per execution of each NVMe callback, read off its shapes (the NVMe arrays a fetch
+  returns or a put takes; not the int32 token and row index), keyed for `oo.timeline`'s ``disk``
+  by the instruction's name and a space (a key matches ``"<name> <op_name>"``: this one
+  instruction); and how often each scope's callbacks run per step."""
+  module = hlo_cost.Module(hlo)
+  schedule = gpu_program.parse_schedule(hlo)
+  disk: dict[str, tuple[float, float]] = {}
+  runs: dict[str, int] = {}
+  for comp, instrs in schedule.computations.items():
+    for instr in instrs:
+      scope = (
+        [k for k in NVME_SCOPES if k in instr.text] if instr.name in schedule.callbacks else []
+      )
+      if not scope:
+        continue
+      (scope,) = scope
+      if NVME_SCOPES[scope] == "read":
+        arrays = gpu_program._arrays(instr.shape)
+      else:
+        arrays = [a for o in instr.operands for a in gpu_program._arrays(module.shapes[comp][o])]
+      nbytes = sum(gpu_program.shape_bytes(a) for a in arrays if not a.startswith("s32"))
+      disk[instr.name + " "] = (nbytes, 0) if NVME_SCOPES[scope] == "read" else (0, nbytes)
+      runs[scope] = runs.get(scope, 0) + schedule.executions(comp)
+  return disk, runs
+
+
+def rows_for_nvme(name: str, target: str, args) -> list[dict]:
+  """The `fused_nvme` row: the full-depth program with the plan's NVMe placement, its disk
+  charged by the timeline within the store's read-ahead and write-behind buffers."""
+  cfg = dataclasses.replace(llama.CONFIGS[name], attention=args.attention, remat=args.remat)
+  hw = oo.hardware(target, args.host)
+  window = int(args.window_fraction * MEMORY[target])
+  nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="gpu_speed_nvme_")
+  args = argparse.Namespace(**{**vars(args), "nvme_dir": nvme_dir})
+  e = nvme_plan(cfg, target, args, window)
+  options = oo.NvmeOptions(prefetch_depth=args.prefetch_depth, write_depth=args.write_depth)
+  moments = {} if args.moment_dtype == "fp32" else {"moment_dtype": args.moment_dtype}
+  tx = oo.offload(
+    optax.adamw(1e-4),
+    master_dtype=jnp.float32,
+    window_bytes=window,
+    host_limit=e.host_bytes,
+    nvme_dir=nvme_dir,
+    nvme_options=options,
+    **moments,
+  )
+  c = compile_variant(cfg, "fused_nvme", target, args.micro_batch, 1, window, tx=tx)
+  disk, runs = nvme_disk_io(c.hlo)
+  group = nvme_group_bytes(e)
+  read_ahead, write_behind = options.prefetch_depth * group, options.write_depth * group
+  if args.disk_unbounded:  # a what-if: the disk reads everything ahead, writes everything behind
+    read_ahead = write_behind = None
+  t = oo.timeline(
+    c.hlo, hw, disk=disk, read_ahead_bytes=read_ahead, write_behind_bytes=write_behind
+  )
+  # The callbacks' shapes account for every NVMe byte of the plan, read once and written once.
+  for moved in (t.disk_read_bytes, t.disk_write_bytes):
+    if abs(moved - e.nvme_bytes) > 1e-6 * e.nvme_bytes:
+      raise AssertionError(
+        f"the callbacks move {moved:.0f} bytes, the plan has {e.nvme_bytes} on NVMe"
+      )
+  # Host bytes: the plan's (stack weights, state, the tier's staging buffers: one group read
+  # ahead and one written behind), plus the groups a deeper prefetch or write-behind holds.
+  host = e.host_total_bytes + (options.prefetch_depth + options.write_depth - 2) * group
+  schedule = gpu_program.parse_schedule(c.hlo)
+  tokens = args.micro_batch * SEQ
+  fits = c.device_bytes <= USABLE * MEMORY[target] and host <= args.host_memory
+  row = {
+    "model": name,
+    "params": cfg.params,
+    "target": target,
+    "host": args.host,
+    "variant": "fused_nvme",
+    "moment_dtype": args.moment_dtype,
+    "tokens_per_step": tokens,
+    "micro_batch": tokens,
+    "accumulation": 1,
+    "fits": bool(fits),
+    "device_bytes": c.device_bytes,
+    "host_bytes": host,
+    "xla_host_bytes": c.host_bytes,
+    "host_memory": args.host_memory,
+    "host_limit": e.host_bytes,
+    "nvme_bytes": e.nvme_bytes,
+    "step_s": t.step_s,
+    "compute_s": t.compute_s,
+    "disk_s": t.disk_s,
+    "disk_wait_s": t.disk_wait_s,
+    "disk_read_Bps": hw.nvme_read,
+    "disk_write_Bps": hw.nvme_write,
+    "prefetch_depth": options.prefetch_depth,
+    "write_depth": options.write_depth,
+    "read_ahead_bytes": read_ahead,
+    "write_behind_bytes": write_behind,
+    "callbacks_per_step": t.callbacks,
+    "nvme_callbacks_per_step": runs,
+    "copies_overlapped": {
+      d: schedule.overlap(d, per_execution=True, matmul=True) for d in ("to_device", "to_host")
+    },
+    "link_bytes": t.bytes_to_device + t.bytes_to_host,
+    "link_Bps": hw.h2d_bandwidth,
+    "peak_flops": hw.tensor_flops,
+    "tokens_per_s": tokens / t.step_s,
+    "model_tflops": 6 * cfg.params * tokens / t.step_s / 1e12,
+    "mfu": 6 * cfg.params * tokens / t.step_s / hw.tensor_flops,
+    "step_over_compute": t.step_s / t.compute_s,
+    "bottleneck": t.bottleneck,
+    "compile_s": c.compile_s,
+    "depths": [cfg.layers],
+    "modelled": True,
+  }
+  assert t.step_s >= t.compute_s * (1 - 1e-9) and row["mfu"] <= 1.0, row
+  _print_nvme_row(row, args)
+  rows = [row]
+  if args.project_int8:
+    rows.append(_int8_projection(row, c.hlo, disk, hw, e, group, options, args))
+  return rows
+
+
+INT8_BLOCK = 256
+"""Elements per fp32 scale of the projected 8-bit moments (torchao's AdamW8bit; bitsandbytes'
+blockwise 8-bit optimizers use 2048)."""
+
+
+def _int8_projection(row, hlo, disk, hw, e, group, options, args) -> dict:
+  """A projection, not a compiled program: the bf16-moment program re-timed with each NVMe
+  callback's disk bytes scaled to 8-bit block-quantized moments (1 byte per moment element and
+  one fp32 scale per `INT8_BLOCK`, beside the fp32 master): the same placement, device and link
+  bytes as bf16's (an int8 program would move fewer bytes over the link too)."""
+  if args.moment_dtype != "bf16":
+    raise ValueError("--project-int8 re-times the bf16-moment program: give --moment-dtype bf16")
+  scale = (4 + 2 * (1 + 4 / INT8_BLOCK)) / (4 + 2 * 2)
+  scaled = {k: (r * scale, w * scale) for k, (r, w) in disk.items()}
+  t = oo.timeline(
+    hlo,
+    hw,
+    disk=scaled,
+    read_ahead_bytes=options.prefetch_depth * group * scale,
+    write_behind_bytes=options.write_depth * group * scale,
+  )
+  tokens = row["tokens_per_step"]
+  out = dict(
+    row, moment_dtype="int8 (projected)", projected=True, nvme_bytes=int(e.nvme_bytes * scale)
+  )
+  out.update(
+    step_s=t.step_s,
+    disk_s=t.disk_s,
+    disk_wait_s=t.disk_wait_s,
+    tokens_per_s=tokens / t.step_s,
+    model_tflops=6 * row["params"] * tokens / t.step_s / 1e12,
+    mfu=6 * row["params"] * tokens / t.step_s / hw.tensor_flops,
+    step_over_compute=t.step_s / t.compute_s,
+    bottleneck=t.bottleneck,
+  )
+  _print_nvme_row(out, args)
+  return out
+
+
+def _print_nvme_row(row, args) -> None:
+  del args
+  GiB_ = GiB
+  print(
+    f"{row['model']:>4} {row['target']:13s} fused_nvme({row['moment_dtype']})"
+    f" tokens/step {row['tokens_per_step']:>7d} step {row['step_s']:8.2f}s"
+    f" compute {row['compute_s']:8.2f}s disk {row['disk_s']:7.2f}s"
+    f" (waited {row['disk_wait_s']:.2f}s) {row['model_tflops']:6.1f} TFLOPS"
+    f" {row['tokens_per_s']:8.0f} tok/s device {row['device_bytes'] / GiB_:6.1f} GiB host"
+    f" {row['host_bytes'] / GiB_:6.2f} GiB nvme {row['nvme_bytes'] / GiB_:6.2f} GiB"
+    f" fits {row['fits']!s:5s} [{row['bottleneck']}] compile {row['compile_s']:.0f}s",
+    flush=True,
+  )
+
+
 def rows_for(name: str, variant: str, target: str, args) -> list[dict]:
+  if variant == "fused_nvme":
+    return rows_for_nvme(name, target, args)
   cfg = dataclasses.replace(llama.CONFIGS[name], attention=args.attention, remat=args.remat)
   hw = oo.hardware(target, args.host)
   window = int(args.window_fraction * MEMORY[target])
@@ -323,7 +566,11 @@ def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument("--models", default=DEFAULT_MODELS, help=f"of {', '.join(llama.CONFIGS)}")
   parser.add_argument("--targets", default=DEFAULT_TARGETS)
-  parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {', '.join(VARIANTS)}")
+  parser.add_argument(
+    "--variants",
+    default=None,
+    help=f"of {', '.join(VARIANTS)} (default {DEFAULT_VARIANTS}, and fused_nvme with --host-memory)",
+  )
   parser.add_argument("--host", default="desktop", help="host profile: desktop or server")
   parser.add_argument(
     "--host-memory", default=None, help="pinned host memory available, e.g. 48GiB"
@@ -339,9 +586,27 @@ def main(argv=None) -> list[dict]:
   parser.add_argument(
     "--remat", default="full", choices=llama.REMAT, help="plain and offload_state"
   )
+  parser.add_argument(
+    "--moment-dtype", default="fp32", choices=("fp32", "bf16"), help="fused_nvme's moments"
+  )
+  parser.add_argument("--nvme-dir", default=None, help="fused_nvme: NVMe tier directory (temp)")
+  parser.add_argument("--prefetch-depth", type=int, default=1, help="fused_nvme: NvmeOptions")
+  parser.add_argument("--write-depth", type=int, default=1, help="fused_nvme: NvmeOptions")
+  parser.add_argument(
+    "--disk-unbounded",
+    action="store_true",
+    help="fused_nvme what-if: no bound on the disk's read-ahead and write-behind (no store has it)",
+  )
+  parser.add_argument(
+    "--project-int8",
+    action="store_true",
+    help="fused_nvme with --moment-dtype bf16: add a row re-timed for 8-bit moments (projected)",
+  )
   parser.add_argument("--json", default=None, help="write one JSON object per row here")
   args = parser.parse_args(argv)
   args.host_memory = oo.parse_bytes(args.host_memory, "--host-memory")
+  if args.variants is None:
+    args.variants = DEFAULT_VARIANTS + (",fused_nvme" if args.host_memory is not None else "")
   for v in args.variants.split(","):
     if v not in VARIANTS:
       parser.error(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}")

@@ -16,7 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "consumer.md"
 TWO_TB = 2_000_000_000_000  # the page's drive: 2 TB, empty
 WINDOW_FIGURES = ("1.05 GiB", "2.37 GiB", "1.80 GiB")  # test_the_window_the_page_asks_for
-SPEED_PAGE_FIGURES = ("18.6 GiB",)  # test_the_speed_page_figures_it_cites
+SPEED_PAGE_FIGURES = ("18.6 GiB", "18.7 GiB", "18.2 GiB")  # test_the_speed_page_figures_it_cites
+NVME_PLAN_FIGURES = ("141.80 GiB", "38.84 GiB", "86.72 GiB", "40.98 GiB")  # test_the_nvme_plan_...
 _PAIR = re.compile(r"```sh\n(python -m optax_offload plan .*?)```\n\n```text\n(.*?)```", re.S)
 
 
@@ -68,7 +69,7 @@ def test_the_page_shows_each_plan_as_printed(page_machine):
   # Every size and rate the prose states comes from those outputs.
   prose = _PAIR.sub("", text)
   for figure in re.findall(r"\d+(?:\.\d+)? GiB|\d[\d,]* tokens/s", prose):
-    cited = figure in WINDOW_FIGURES + SPEED_PAGE_FIGURES
+    cited = figure in WINDOW_FIGURES + SPEED_PAGE_FIGURES + NVME_PLAN_FIGURES
     assert cited or any(figure in o for o in outputs), figure
 
 
@@ -78,6 +79,53 @@ def test_the_speed_page_figures_it_cites():
     "| 13B, `rtx4090_24gb` | `fused_all` | 524,288 | 391 s | 367 s | 1.07 | 1,340 | **104.7** "
     "| 18.6 GiB | yes |" in speed
   )
+
+
+NVME_ROWS = (  # speed.md's fused_nvme rows that this page's table cites (modelled once each)
+  "| `fused_nvme`, fp32 moments, 7 x 2,048 | 14,336 | 137.5 s | 11.0 s | 121.9 s | 113.4 s | 104 "
+  "| **8.1** | 18.7 GiB | 38.84 GiB | 141.80 GiB | yes |",
+  "| `fused_nvme`, bf16 moments, 7 x 2,048 | 14,336 | 89.5 s | 10.6 s | 74.6 s | 68.7 s | 160 "
+  "| **12.5** | 18.2 GiB | 40.98 GiB | 86.72 GiB | yes |",
+)
+
+
+def test_the_nvme_rows_it_cites():
+  speed = (ROOT / "docs" / "speed.md").read_text()
+  page = PAGE.read_text()
+  for row, moments in zip(NVME_ROWS, ("fp32 moments (exact AdamW)", "bf16 moments")):
+    assert row in speed
+    cells = [c.strip(" *") for c in row.strip("|").split("|")]
+    tokens, step, _, disk, _, _, tflops, device, host, nvme, _ = cells[1:]
+    cited = f"| {moments} | {tokens} | {step} | {disk} | {tflops} | {device} | {host} | {nvme} |"
+    assert cited in page
+
+
+@pytest.mark.parametrize(
+  "moments, nvme, host, disk_s",
+  [("fp32", "141.80 GiB", "38.84 GiB", "121.9 s"), ("bf16", "86.72 GiB", "40.98 GiB", "74.6 s")],
+)
+def test_the_nvme_plan_and_disk_seconds_the_pages_state(moments, nvme, host, disk_s, page_machine):
+  # The placement gpu_speed's fused_nvme compiles (the plan from Llama-2-13B's shapes for 48 GiB
+  # of host memory), and the drive's seconds a step at hosts.toml's rates: the state read once
+  # and written once.
+  import argparse
+
+  import optax_offload as oo
+  from benchmarks import gpu_speed
+  from benchmarks import llama
+  from optax_offload._src.units import format_bytes
+
+  args = argparse.Namespace(host_memory=48 << 30, moment_dtype=moments, nvme_dir=page_machine)
+  window = int(0.1 * gpu_speed.MEMORY["rtx4090_24gb"])  # gpu_speed's default window
+  e = gpu_speed.nvme_plan(llama.CONFIGS["13B"], "rtx4090_24gb", args, window)
+  assert (format_bytes(e.nvme_bytes), format_bytes(e.host_total_bytes)) == (nvme, host)
+  assert e.host_total_bytes <= args.host_memory and e.fits
+  hw = oo.hardware("rtx4090_24gb", "desktop")
+  seconds = e.nvme_bytes / hw.nvme_read + e.nvme_bytes / hw.nvme_write
+  assert f"{seconds:.1f} s" == disk_s
+  for row in NVME_ROWS:  # in speed.md: test_the_nvme_rows_it_cites
+    if f"{moments} moments" in row:
+      assert f"| {disk_s} |" in row and f"| {nvme} |" in row and f"| {host} |" in row
 
 
 def test_the_window_the_page_asks_for():

@@ -589,3 +589,109 @@ def test_the_step_time_is_linear_in_the_layers(maxtext_7b):
   program = llama.compile_train_step(cfg.with_layers(3), "h100_80gb", **MAXTEXT_7B)
   two = figures["depths"][2]["step_s"]
   assert program.timeline().step_s == pytest.approx(two + figures["layer_s"], rel=1e-3)
+
+
+def disk_program(*parts: str) -> str:
+  """Callbacks on an int32[3] token ('cb': an NVMe callback named by its scope) and 4096^3 bf16
+  matmuls ('mm'), in this order: nothing but the disk and the matmuls takes time."""
+  lines = ["  %t0 = s32[3]{0} parameter(0)", "  %a = bf16[4096,4096]{1,0} parameter(1)"]
+  token = "%t0"
+  for k, part in enumerate(parts):
+    if part == "mm":
+      lines.append(
+        f"  %mm{k} = bf16[4096,4096]{{1,0}} dot(%a, %a), lhs_contracting_dims={{1}}, "
+        "rhs_contracting_dims={0}"
+      )
+    else:
+      lines.append(
+        f"  %cb{k} = s32[3]{{0}} custom-call({token}), "
+        'custom_call_target="xla_ffi_python_gpu_callback", custom_call_has_side_effect=true, '
+        f'metadata={{op_type="io_callback" op_name="jit(step)/{part}/io_callback"}}'
+      )
+      token = f"%cb{k}"
+  lines.append(f"  ROOT %out = (s32[3]{{0}}) tuple({token})")
+  entry = "ENTRY %main (t0: s32[3], a: bf16[4096,4096]) -> (s32[3]) {\n"
+  return module(entry + "\n".join(lines) + "\n}")
+
+
+NO_OVERHEAD = dataclasses.replace(HW, callback_s=0.0)
+LINK_S = 1e-8  # the tokens' 12 bytes over the link, a few times: nanoseconds
+
+
+def test_the_disk_reads_ahead_no_further_than_its_buffers():
+  # Two fetches with a matmul between: the second fetch's read-ahead starts when the first
+  # returns, bounded by read_ahead_bytes; the rest is read while the stream waits.
+  program = disk_program("nvme_fetch", "mm", "nvme_fetch")
+  m = step_time.timeline(program, NO_OVERHEAD).compute_s  # the matmul (and its launch)
+  r = 2 * m  # each fetch reads for twice the matmul's time
+  read = r * NO_OVERHEAD.nvme_read
+
+  def step(ahead):
+    t = step_time.timeline(
+      program, NO_OVERHEAD, disk={"nvme_fetch": (read, 0)}, read_ahead_bytes=ahead
+    )
+    assert t.disk_read_bytes == 2 * read and t.disk_s == pytest.approx(2 * r)
+    return t
+
+  assert step(0).step_s == pytest.approx(2 * r + m, abs=LINK_S)  # nothing read ahead
+  assert step(0).disk_wait_s == pytest.approx(2 * r, abs=LINK_S)
+  assert step(read / 4).step_s == pytest.approx(2 * r + m - r / 4, abs=LINK_S)  # r/4 hidden
+  assert step(read).step_s == pytest.approx(2 * r, abs=LINK_S)  # the disk never idles
+  assert step(None).step_s == pytest.approx(2 * r, abs=LINK_S)
+
+
+def test_a_put_returns_once_at_most_write_behind_bytes_are_left_to_write():
+  program = disk_program("nvme_put", "mm", "nvme_put")
+  m = step_time.timeline(program, NO_OVERHEAD).compute_s
+  w = m  # each put writes for as long as the matmul takes
+  write = w * NO_OVERHEAD.nvme_write
+
+  def step(behind):
+    return step_time.timeline(
+      program, NO_OVERHEAD, disk={"nvme_put": (0, write)}, write_behind_bytes=behind
+    ).step_s
+
+  assert step(None) == pytest.approx(2 * w, abs=LINK_S)  # written behind the matmul
+  assert step(0) == pytest.approx(2 * w + m, abs=LINK_S)  # each put waits for its write
+  assert step(write / 2) == pytest.approx(2.5 * w, abs=LINK_S)  # the first put waits w / 2
+
+
+def test_negative_disk_bounds_are_refused():
+  with pytest.raises(ValueError, match="read_ahead_bytes must be >= 0"):
+    step_time.timeline(disk_program("nvme_fetch"), HW, read_ahead_bytes=-1)
+
+
+def test_a_compiled_nvme_step_charges_every_nvme_byte_within_the_stores_buffers(tmp_path):
+  # The fused step of a tiny decoder with all its state on NVMe (gpu_speed's fused_nvme path):
+  # the callbacks' shapes account for the plan's NVMe bytes, read once and written once, and the
+  # modelled step is no shorter than the disk's time, longer the less the store reads ahead.
+  gpu_compile_or_skip()
+  from benchmarks import gpu_speed
+  from benchmarks import llama
+
+  cfg = llama.Config(d=64, layers=6, ffn=128, heads=4, vocab=256)
+  window = 512 * 1024
+  common = dict(min_size=256, window_bytes=window, host_limit=0, nvme_dir=str(tmp_path))
+  tx = oo.offload(optax.adamw(1e-2), master_dtype=jnp.float32, **common)
+  c = gpu_speed.compile_variant(cfg, "fused_nvme", "rtx4090_24gb", 1, 1, window, tx=tx)
+  disk, runs = gpu_speed.nvme_disk_io(c.hlo)
+  assert runs["nvme_layer_fetch"] == runs["nvme_layer_put"] == 3  # 6 layers, 2 a block
+  e = oo.estimate(
+    gpu_speed._params(cfg, "fused_nvme"),
+    optimizer=optax.adamw(1e-2),
+    master_dtype="fp32",
+    update_in_backward=True,
+    **common,
+  )
+  slow = dataclasses.replace(step_time.hardware("rtx4090_24gb"), nvme_read=1e7, nvme_write=1e7)
+
+  def model(ahead):
+    return step_time.timeline(c.hlo, slow, disk=disk, read_ahead_bytes=ahead)
+
+  group = gpu_speed.nvme_group_bytes(e)
+  none, one, unbounded = model(0), model(group), model(None)
+  for t in (none, one, unbounded):
+    assert t.disk_read_bytes == t.disk_write_bytes == e.nvme_bytes > 0
+    assert t.step_s >= t.disk_s == pytest.approx(2 * e.nvme_bytes / 1e7)
+  assert none.disk_wait_s >= e.nvme_bytes / 1e7  # every read waited for
+  assert none.step_s >= one.step_s >= unbounded.step_s

@@ -233,6 +233,8 @@ class Timeline:
     host_wait_s: seconds the stream waited on host computations.
     callbacks: host callbacks run; callback_s: seconds the stream spent in them.
     disk_s: seconds the disk was busy; disk_read_bytes, disk_write_bytes: what it moved.
+    disk_wait_s: seconds callbacks held the stream waiting on the disk (reads not read ahead,
+      writes beyond the write-behind bound).
     bottleneck: the busiest resource: ``"gemm"``, ``"memory"`` (the other kernels), ``"launch"``,
       ``"link_to_device"``, ``"link_to_host"``, ``"host"``, ``"callback"`` or ``"disk"``.
     peak_flops: the hardware's `Hardware.tensor_flops`.
@@ -260,6 +262,7 @@ class Timeline:
   disk_s: float
   disk_read_bytes: float
   disk_write_bytes: float
+  disk_wait_s: float
   bottleneck: str
   peak_flops: float
   unknown_trip_counts: int
@@ -298,6 +301,10 @@ class _State:
   link: dict[str, float] = dataclasses.field(default_factory=lambda: {TO_DEVICE: 0.0, TO_HOST: 0.0})
   host: float = 0.0
   disk: float = 0.0
+  # The NVMe tier's read window: when the last read callback returned (the store then reads
+  # ahead), and the disk's clock at that moment.
+  window_open: float = 0.0
+  window_disk: float = 0.0
   totals: dict[str, float] = dataclasses.field(default_factory=dict)
   kernels: dict[tuple[str, str], list] = dataclasses.field(default_factory=dict)
 
@@ -305,7 +312,15 @@ class _State:
     self.totals[key] = self.totals.get(key, 0.0) + value
 
   def clocks(self) -> list[float]:
-    return [self.stream, self.link[TO_DEVICE], self.link[TO_HOST], self.host, self.disk]
+    return [
+      self.stream,
+      self.link[TO_DEVICE],
+      self.link[TO_HOST],
+      self.host,
+      self.disk,
+      self.window_open,
+      self.window_disk,
+    ]
 
   def shift(self, deltas: Sequence[float]) -> None:
     self.stream += deltas[0]
@@ -313,6 +328,8 @@ class _State:
     self.link[TO_HOST] += deltas[2]
     self.host += deltas[3]
     self.disk += deltas[4]
+    self.window_open += deltas[5]
+    self.window_disk += deltas[6]
 
 
 def _shift_value(value: Any, dt: float) -> Any:
@@ -331,11 +348,15 @@ class _Simulator:
     disk: Mapping[str, tuple[float, float]],
     disk_overlap: bool,
     max_iterations: int,
+    read_ahead_bytes: float | None = None,
+    write_behind_bytes: float | None = None,
   ):
     self.p = program
     self.hw = hw
     self.disk_io = disk
     self.disk_overlap = disk_overlap
+    self.read_ahead_bytes = read_ahead_bytes
+    self.write_behind_bytes = write_behind_bytes
     self.max_iterations = max_iterations
     self.unknown_trip_counts: set[str] = set()
 
@@ -439,18 +460,35 @@ class _Simulator:
       s.add("disk_read_bytes", read)
       s.add("disk_write_bytes", write)
     if self.disk_overlap:
-      # Prefetched reads: the disk reads as soon as it is free; the callback waits for the data.
-      # Write-behind: the write is queued once the data is on the host; nothing waits for it
-      # but the end of the step.
+      ready = t
       if read:
-        s.disk += read_s
-        t = max(t, s.disk)
+        # Read-ahead: the store reads up to `read_ahead_bytes` of the next reads from when the
+        # previous read callback returned (its window then opened), behind the disk work queued
+        # until that moment; the rest of this callback's reads are read once it asks for them,
+        # behind everything queued. Unbounded (None): every read is read ahead.
+        ahead = read if self.read_ahead_bytes is None else min(read, self.read_ahead_bytes)
+        ahead_s = ahead / hw.nvme_read
+        ahead_end = max(s.window_open, s.window_disk) + ahead_s
+        s.disk = max(s.disk + ahead_s, ahead_end)  # work queued since waits behind it
+        t = max(t, ahead_end)
+        if read > ahead:
+          s.disk = max(s.disk, ready) + (read - ahead) / hw.nvme_read
+          t = max(t, s.disk)
       if write:
+        # Write-behind: the write is queued once the data is on the host; the callback returns
+        # once at most `write_behind_bytes` are left to write (None: at once).
         s.disk = max(s.disk, t) + write_s
+        if self.write_behind_bytes is not None:
+          t = max(t, s.disk - self.write_behind_bytes / hw.nvme_write)
+      if t > ready:
+        s.add("disk_wait_s", t - ready)
     elif read or write:
       s.disk = max(s.disk, t) + read_s + write_s
+      s.add("disk_wait_s", s.disk - t)
       t = s.disk
     end = self._link(s, TO_DEVICE, to_device, t)
+    if read:
+      s.window_open, s.window_disk = end, s.disk
     s.add("callbacks", 1)
     s.add("callback_s", end - start)
     s.stream = end
@@ -599,6 +637,8 @@ def timeline(
   *,
   disk: Mapping[str, tuple[float, float]] | None = None,
   disk_overlap: bool = True,
+  read_ahead_bytes: float | None = None,
+  write_behind_bytes: float | None = None,
   max_iterations: int = 128,
 ) -> Timeline:
   """Models the time of one step of a compiled program on `hardware`.
@@ -610,9 +650,17 @@ def timeline(
       every callback whose instruction name or ``op_name`` contains the key (name callbacks with
       `jax.named_scope`). The compiled program cannot show what a callback does on the host.
     disk_overlap: with True (the NVMe tier's prefetch and write-behind threads), a callback's
-      reads start as soon as the disk is free and the callback waits for them, and its writes
-      are queued without the callback waiting; with False, a callback does its reads and writes
-      while the stream waits.
+      reads are read ahead (within `read_ahead_bytes`) and the callback waits for them, and its
+      writes are queued (within `write_behind_bytes`); with False, a callback does its reads and
+      writes while the stream waits.
+    read_ahead_bytes: with `disk_overlap`, the most bytes the disk reads ahead of the callback
+      that needs them: they are read from when the previous reading callback returned (the
+      store's prefetch window opens at each fetch), and the rest when the callback asks. The NVMe
+      tier reads ahead ``prefetch_depth`` store groups. None: no bound (each callback's reads
+      all read ahead from that moment: more than any store's buffers allow).
+    write_behind_bytes: with `disk_overlap`, the most bytes left to write when a writing
+      callback returns (the NVMe tier's ``write_depth`` store groups: its ``put`` blocks beyond
+      them). None: no bound.
     max_iterations: loop iterations simulated one by one; past them a loop repeats its last
       iteration's time (a steady state).
 
@@ -624,7 +672,15 @@ def timeline(
   parsed = hlo_cost.Module(hlo)
   if not parsed.entry:
     raise ValueError("No ENTRY computation in the HLO text.")
-  sim = _Simulator(parsed, hw, disk or {}, disk_overlap, max_iterations)
+  for name, value in (
+    ("read_ahead_bytes", read_ahead_bytes),
+    ("write_behind_bytes", write_behind_bytes),
+  ):
+    if value is not None and value < 0:
+      raise ValueError(f"timeline: {name} must be >= 0 or None, got {value}.")
+  sim = _Simulator(
+    parsed, hw, disk or {}, disk_overlap, max_iterations, read_ahead_bytes, write_behind_bytes
+  )
   s = _State()
   sim.run(s, parsed.entry, [])
   t = s.totals
@@ -672,6 +728,7 @@ def timeline(
     disk_s=t.get("disk_s", 0.0),
     disk_read_bytes=t.get("disk_read_bytes", 0.0),
     disk_write_bytes=t.get("disk_write_bytes", 0.0),
+    disk_wait_s=t.get("disk_wait_s", 0.0),
     bottleneck=max(busy, key=busy.get),
     peak_flops=hw.tensor_flops,
     unknown_trip_counts=len(sim.unknown_trip_counts),

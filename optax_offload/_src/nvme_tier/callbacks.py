@@ -37,6 +37,9 @@ from optax_offload._src.nvme_tier import shards as shards_lib
 from optax_offload._src.nvme_tier.tier import NvmeTier
 
 _TOKEN = jax.ShapeDtypeStruct((3,), jnp.int32)
+FETCH_SCOPE, PUT_SCOPE = "nvme_group_fetch", "nvme_group_put"
+"""`jax.named_scope`s of a plan group's fetch and put (in their HLO ``op_name``): `oo.timeline`'s
+``disk`` argument charges disk bytes to callbacks by name."""
 
 
 class TracedTier:
@@ -162,7 +165,8 @@ class TracedTier:
       ]
 
     out_specs = [P(), *[a.spec for a, _ in members]]
-    token, *flat = self._shard_local(_fetch, [_TOKEN, *shapes], out_specs, token, in_specs=(P(),))
+    with jax.named_scope(FETCH_SCOPE):  # the step-time model finds the disk reads by this name
+      token, *flat = self._shard_local(_fetch, [_TOKEN, *shapes], out_specs, token, in_specs=(P(),))
     return dict(zip([key for key, _ in self.tier.members[sg]], flat)), token
 
   def put(self, plan_group: int, token: jax.Array, parts: Mapping[int, Any]) -> jax.Array:
@@ -188,9 +192,10 @@ class TracedTier:
           f"NVMe tier put: NVMe array {a.key} of plan group {plan_group} has shape "
           f"{tuple(jnp.shape(x))}, expected {want} (rows {rows})."
         )
-    return self._shard_local(
-      _put, _TOKEN, P(), token, *flat, in_specs=(P(), *[a.spec for a, _ in members])
-    )
+    with jax.named_scope(PUT_SCOPE):
+      return self._shard_local(
+        _put, _TOKEN, P(), token, *flat, in_specs=(P(), *[a.spec for a, _ in members])
+      )
 
   def commit(self, token: jax.Array) -> jax.Array:
     """Commits the child generation (once every device put its shards); returns its number."""

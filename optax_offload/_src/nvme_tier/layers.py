@@ -43,6 +43,9 @@ from optax_offload._src.nvme_tier import shards as shards_lib
 from optax_offload._src.nvme_tier.shards import Key
 
 _TOKEN = jax.ShapeDtypeStruct((3,), jnp.int32)
+FETCH_SCOPE, PUT_SCOPE = "nvme_layer_fetch", "nvme_layer_put"
+"""`jax.named_scope`s of the per-block callbacks (in their HLO ``op_name``): `oo.timeline`'s
+``disk`` argument charges disk bytes to callbacks by name."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,9 +217,10 @@ class TracedLayers:
         ) from e
       return [np.asarray(token), *out]
 
-    token, *flat = self.traced._shard_local(
-      _fetch, [_TOKEN, *shapes], None, token, start, in_specs=None
-    )
+    with jax.named_scope(FETCH_SCOPE):  # the step-time model finds the disk reads by this name
+      token, *flat = self.traced._shard_local(
+        _fetch, [_TOKEN, *shapes], None, token, start, in_specs=None
+      )
     return dict(zip(keys, flat)), token
 
   def put(self, s: int, token: jax.Array, start: jax.Array, new: dict[Key, Any]) -> jax.Array:
@@ -247,9 +251,10 @@ class TracedLayers:
       self._put_ready(device, tier, u, ready)
       return np.asarray(token)
 
-    return self.traced._shard_local(
-      _put, _TOKEN, None, token, start, *[new[k] for k in keys], in_specs=None
-    )
+    with jax.named_scope(PUT_SCOPE):
+      return self.traced._shard_local(
+        _put, _TOKEN, None, token, start, *[new[k] for k in keys], in_specs=None
+      )
 
   def _ready(self, tier, u: _Update, done: list[int]):
     ready = [(sg, u.new.pop(sg)) for sg in done]
