@@ -15,6 +15,16 @@ into one store operation each, so in a jitted update each group with NVMe leaves
 fetch (served from the prefetch pool) and one store put (written behind), and each update one
 allocation and one commit of a generation.
 
+How a callback moves the bytes depends on the platform the program is lowered for
+(`_compat.per_platform_callback`). On a CPU it is a ``buffer_callback``: a fetch copies the store's
+arrays straight into XLA's output buffers, and a put reads XLA's buffers in place and copies them
+once into page-aligned buffers of the tier (reused step after step) that the store writes with
+direct I/O without a staging copy. An ``io_callback`` instead copies every operand into a new
+array (fresh pages, faulted in each step) and every result out of one (what that cost, measured:
+``_src/nvme/README.md``, "The tier's callbacks on a CPU"). On a GPU a
+``buffer_callback`` would hand the callback device buffers, so the program keeps ``io_callback``
+there, unchanged.
+
 A program keeps the tier it was traced with, but runs on the tier the state names (by its id in
 the token): a state made by ``tx.init`` after `oo.close_nvme` names a new tier of the same layout,
 and the same program serves it.
