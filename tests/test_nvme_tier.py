@@ -634,3 +634,82 @@ def test_stacked_leaf_slices_on_a_4_device_mesh(tmp_path):
     ]
   finally:
     oo.close_nvme(nvme_state)
+
+
+def test_on_a_cpu_puts_hand_the_store_reused_page_aligned_copies(tmp_path):
+  # On a CPU the tier's callbacks read and write XLA's buffers in place (buffer_callback); a put
+  # copies its operands once, into the tier's page-aligned buffers, which the store writes with
+  # direct I/O as they are and which serve the next steps' puts again.
+  import mmap
+
+  params = jax.device_put(make_params(), jax.devices()[0])
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+  )
+  state = tx.init(params)
+  store = nvme_tier.lookup(state.nvme_store).store
+  puts = []
+  put = store.put
+
+  def recording_put(group, generation, arrays):
+    puts.append([(a.ctypes.data, a.flags.writeable) for a in arrays])
+    put(group, generation, arrays)
+
+  store.put = recording_put
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  try:
+    text = step.lower(params, state, make_grads(params, 0)).as_text()
+    assert "xla_buffer_python_cpu_callback" in text and "xla_ffi_python_cpu_callback" not in text
+    per_step = []
+    for t in range(4):
+      puts.clear()
+      params, state = step(params, state, make_grads(params, t))
+      oo.sync_nvme(state)
+      per_step.append(list(puts))
+    groups = len(per_step[0])
+    assert groups >= 1 and all(len(p) == groups for p in per_step)
+    assert all(
+      address % mmap.PAGESIZE == 0 and not writeable
+      for step_puts in per_step
+      for arrays in step_puts
+      for address, writeable in arrays
+    )
+    # One buffer per put waiting or queued (write_depth 1, so 2); the first step fills the pool.
+    later = {arrays[0][0] for step_puts in per_step[1:] for arrays in step_puts}
+    assert len(later) <= 2, later
+    reference, _ = train(oo.offload(optax.adam(1e-2), window_bytes=WINDOW), make_params(), 4)
+    assert bits_equal(reference, params)
+  finally:
+    oo.close_nvme(state)
+
+
+def test_the_gpu_program_keeps_io_callbacks(tmp_path):
+  # buffer_callback hands a GPU's callback device buffers, which the store's numpy code cannot
+  # read: a program compiled for a GPU keeps io_callback (chosen when lowering, not tracing).
+  from helpers import gpu_compile_or_skip
+
+  from optax_offload._src import gpu_program
+
+  gpu_compile_or_skip()
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+  )
+  params = make_params()
+  state = tx.init(params)
+  try:
+
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    program = gpu_program.compile_for_gpu(step, params, state, make_grads(params, 0))
+  finally:
+    oo.close_nvme(state)
+  assert "xla_ffi_python_gpu_callback" in program.hlo
+  assert "buffer_python" not in program.hlo
+  assert len(program.schedule.callbacks) >= 4  # begin, a fetch and a put per group, commit

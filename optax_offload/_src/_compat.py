@@ -67,6 +67,18 @@ jax.stages.Traced.lower (gpu_prog.)   Same: ``lower(self, *, lowering_platforms:
 jax.stages.Lowered.compiler_ir        Same: ``compiler_ir(self, dialect: str | None = None)``.
 CUDA plugin (`check_gpu_compile_      ``jax_plugins.xla_cuda12`` (jax-cuda12-plugin/-pjrt ==
 support`)                             jax's version); 0.12 also ships a cuda13 plugin.
+jax._src.core.Primitive,              Private (`per_platform_callback`, for the NVMe tier's
+jax._src.dispatch.apply_primitive,    callbacks): a primitive of our own whose lowering rule
+jax._src.interpreters.mlir            (run outside jit by ``apply_primitive``, as io_callback)
+.register_lowering, .lower_fun,       (``register_lowering(prim, rule)``; ``lower_fun(fun,
+jax._src.callback.IOEffect            multiple_results=True)(ctx, *args)``; ``ctx.module_context
+                                      .platforms``) lowers one function on a CPU and another
+                                      elsewhere, carrying io_callback's unordered ``IOEffect``.
+                                      Not checked against 0.12.
+jax.experimental.buffer_callback      Experimental, 0.10.2: ``buffer_callback(callback,
+(nvme_tier.callbacks, on a CPU)       result_shape_dtypes, *, has_side_effect=False, ...)``;
+                                      ``callback(ctx, out, *args)`` with ``np.asarray`` views
+                                      of XLA's buffers. Not checked against 0.12.
 optax.tree_utils._state_utils         Private; same in optax 0.2.8, the newest on PyPI.
 ._ParamsPlaceholder (layout)
 optax._src.base.NO_PARAMS_MSG         Private; same in optax 0.2.8 (fallback string below).
@@ -151,6 +163,7 @@ __all__ = [
   "Tracer",
   "host_typed",
   "install_orbax_array_handler",
+  "per_platform_callback",
   "compute_on_host",
 ]
 
@@ -433,3 +446,46 @@ def multi_steps_skips_nothing(multi: Any) -> bool:
   """Whether an ``optax.MultiSteps`` has no ``should_skip_update_fn`` of the user's."""
   fn = getattr(multi, "_should_skip_update_fn", None)
   return getattr(fn, "__qualname__", "") == "MultiSteps.__init__.<locals>.should_skip_update_fn"
+
+
+@functools.cache
+def _per_platform_primitive() -> Any:
+  from jax._src import callback as jax_callback
+  from jax._src import core as jax_core
+  from jax._src import dispatch
+  from jax._src.interpreters import mlir
+
+  prim = jax_core.Primitive("per_platform_callback")
+  prim.multiple_results = True
+  prim.def_impl(functools.partial(dispatch.apply_primitive, prim))  # outside jit: jitted alone
+
+  def abstract_eval(*avals, on_cpu, elsewhere, result_avals):
+    del avals, on_cpu, elsewhere
+    return result_avals, {jax_callback._IOEffect}
+
+  def lowering(ctx, *args, on_cpu, elsewhere, result_avals):
+    del result_avals
+    fn = on_cpu if tuple(ctx.module_context.platforms) == ("cpu",) else elsewhere
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+  prim.def_effectful_abstract_eval(abstract_eval)
+  mlir.register_lowering(prim, lowering)
+  return prim
+
+
+def per_platform_callback(
+  on_cpu: Callable[..., Any], elsewhere: Callable[..., Any], result_shapes: Any, *args: Any
+) -> list[Any]:
+  """``on_cpu(*args)`` in a program lowered for a CPU, ``elsewhere(*args)`` otherwise.
+
+  Both are traceable functions returning a list of arrays shaped as `result_shapes` (a list of
+  `jax.ShapeDtypeStruct`), traced when the program is lowered, so the choice follows the
+  platform the program is lowered for, not the one it is traced on (`gpu_program.compile_for_gpu`
+  traces on this machine's CPU devices). The call is effectful like an unordered ``io_callback``.
+  """
+  from jax._src import core as jax_core
+
+  avals = tuple(jax_core.ShapedArray(s.shape, s.dtype) for s in result_shapes)
+  return _per_platform_primitive().bind(
+    *args, on_cpu=on_cpu, elsewhere=elsewhere, result_avals=avals
+  )

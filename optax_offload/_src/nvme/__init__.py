@@ -4,6 +4,7 @@ See ``README.md`` in this directory for the protocol and the layout of the modul
 library uses the names below.
 """
 
+from optax_offload._src.nvme.buffers import ReadBuffers
 from optax_offload._src.nvme.errors import NvmeCorruptionError
 from optax_offload._src.nvme.errors import NvmeError
 from optax_offload._src.nvme.errors import NvmeWriteError
@@ -25,6 +26,7 @@ __all__ = (
   "NvmeOptions",
   "NvmeStore",
   "NvmeWriteError",
+  "ReadBuffers",
   "StaleGenerationError",
   "fsync_path",
   "read_region",

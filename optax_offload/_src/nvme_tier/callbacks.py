@@ -15,6 +15,16 @@ into one store operation each, so in a jitted update each group with NVMe leaves
 fetch (served from the prefetch pool) and one store put (written behind), and each update one
 allocation and one commit of a generation.
 
+How a callback moves the bytes depends on the platform the program is lowered for
+(`_compat.per_platform_callback`). On a CPU it is a ``buffer_callback``: a fetch copies the store's
+arrays straight into XLA's output buffers, and a put reads XLA's buffers in place and copies them
+once into page-aligned buffers of the tier (reused step after step) that the store writes with
+direct I/O without a staging copy. An ``io_callback`` instead copies every operand into a new
+array (fresh pages, faulted in each step) and every result out of one (what that cost, measured:
+``_src/nvme/README.md``, "The tier's callbacks on a CPU"). On a GPU a
+``buffer_callback`` would hand the callback device buffers, so the program keeps ``io_callback``
+there, unchanged.
+
 A program keeps the tier it was traced with, but runs on the tier the state names (by its id in
 the token): a state made by ``tx.init`` after `oo.close_nvme` names a new tier of the same layout,
 and the same program serves it.
@@ -29,8 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
+from jax.experimental.buffer_callback import buffer_callback
 from jax.sharding import PartitionSpec as P
 
+from optax_offload._src import _compat
 from optax_offload._src import nvme
 from optax_offload._src.nvme_tier import registry
 from optax_offload._src.nvme_tier import shards as shards_lib
@@ -85,28 +97,70 @@ class TracedTier:
   def _device(self, position: Any) -> int:
     return self.tier.mesh.devices[tuple(int(v) for v in np.asarray(position))].id
 
-  def _shard_local(self, callback, result_shapes, out_specs, *args, in_specs):
-    """Runs ``callback(device_id, *local_args)`` as an io_callback on every device of the mesh."""
+  def _shard_local(self, callback, result_shapes, out_specs, *args, in_specs, keeps=False):
+    """Runs ``callback(device_id, *local_args)`` on every device of the mesh; returns its results.
+
+    In a program lowered for a CPU the call is a `buffer_callback`: the callback reads numpy views
+    of XLA's own buffers, and its results are copied straight into XLA's output buffers (one copy
+    each way fewer than ``io_callback``, which copies its operands into new arrays and its results
+    from them, and no fresh pages faulted for those copies). Elsewhere (a GPU) it stays an
+    ``io_callback``, the program unchanged. `keeps`: the callback keeps its array arguments after
+    the first (the token) past the call (a put, written behind); views of XLA's buffers are then
+    copied into page-aligned buffers of the tier (`NvmeTier.host_copies`), which the store writes
+    with direct I/O as they are.
+    """
     mesh = self.tier.mesh
+    single = not isinstance(result_shapes, (list, tuple))
+    shapes = [result_shapes] if single else list(result_shapes)
+
+    def call(device, xs, borrowed):
+      if keeps and borrowed:
+        xs = [xs[0], *self.tier.host_copies(device, xs[1:])]
+      out = callback(device, *xs)
+      return [out] if single else out
+
+    def on_cpu(device_of, *operands):
+      def fill(ctx, outs, *buffers):
+        del ctx
+        xs = [_readonly(np.asarray(b)) for b in buffers]
+        device, xs = device_of(xs)
+        for i, (o, r) in enumerate(zip(outs, call(device, xs, True), strict=True)):
+          o = np.asarray(o)
+          r = np.asarray(r)
+          if r.shape != o.shape or r.dtype != o.dtype:
+            raise RuntimeError(
+              f"NVMe tier callback: result {i} is {r.dtype}{list(r.shape)}, expected "
+              f"{o.dtype}{list(o.shape)}."
+            )
+          np.copyto(o, r)
+
+      return buffer_callback(fill, shapes, has_side_effect=True)(*operands)
+
+    def elsewhere(device_of, *operands):
+      def run(*xs):
+        device, xs = device_of([np.asarray(x) for x in xs])
+        return call(device, xs, False)
+
+      return io_callback(run, shapes, *operands)
+
+    def dispatch(device_of, *operands):
+      out = _compat.per_platform_callback(
+        lambda *o: on_cpu(device_of, *o), lambda *o: elsewhere(device_of, *o), shapes, *operands
+      )
+      return out[0] if single else out
+
     if mesh.size == 1:
       # No shard_map over a mesh of one device: values computed from its outputs would carry the
       # mesh in their types (``f32[..]({Auto: ('nvme_device',)})``), so each step's outputs would
       # differ in type from its inputs and a jitted step would compile again, twice.
       (device,) = mesh.devices.flat
-      return io_callback(
-        lambda *xs: callback(device.id, *[np.asarray(x) for x in xs]), result_shapes, *args
-      )
+      return dispatch(lambda xs: (device.id, xs), *args)
 
     def body(*local):
       position = jnp.stack([jax.lax.axis_index(a) for a in mesh.axis_names]).astype(jnp.int32)
-      return io_callback(
-        # numpy views, not jax.Arrays: indexing a jax.Array here would dispatch a computation to the
-        # device that is running this callback, and deadlock.
-        lambda pos, *xs: callback(self._device(pos), *[np.asarray(x) for x in xs]),
-        result_shapes,
-        position,
-        *local,
-      )
+      # numpy views, not jax.Arrays: indexing a jax.Array here would dispatch a computation to the
+      # device that is running this callback, and deadlock.
+      return dispatch(lambda xs: (self._device(xs[0]), xs[1:]), position, *local)
 
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
       *args
@@ -194,7 +248,13 @@ class TracedTier:
         )
     with jax.named_scope(PUT_SCOPE):
       return self._shard_local(
-        _put, _TOKEN, P(), token, *flat, in_specs=(P(), *[a.spec for a, _ in members])
+        _put,
+        _TOKEN,
+        P(),
+        token,
+        *flat,
+        in_specs=(P(), *[a.spec for a, _ in members]),
+        keeps=True,
       )
 
   def commit(self, token: jax.Array) -> jax.Array:
@@ -207,3 +267,8 @@ class TracedTier:
     return self._shard_local(
       _commit, jax.ShapeDtypeStruct((), jnp.int32), P(), token, in_specs=(P(),)
     )
+
+
+def _readonly(x: np.ndarray) -> np.ndarray:
+  x.flags.writeable = False
+  return x

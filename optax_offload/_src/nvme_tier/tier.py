@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import mmap
 import os
 import pathlib
 from collections.abc import Callable
@@ -106,8 +107,21 @@ class NvmeTier:
     self.groups, self.members = shards_lib.store_groups(units, self.arrays)
     specs = shards_lib.leaf_specs(self.members, self.arrays)
     self.names = [[spec.name for spec in group] for group in specs]
-    self.store = nvme.NvmeStore(
-      directory, specs, **dataclasses.asdict(nvme.NvmeOptions.of(options))
+    options = nvme.NvmeOptions.of(options)
+    self.store = nvme.NvmeStore(directory, specs, **dataclasses.asdict(options))
+    # Page-aligned buffers for the arrays a put callback hands to the store on a CPU
+    # (`host_copies`): one slot holds one device's shards of any store group; a put holds one
+    # while it waits and `write_depth` more are queued or being written.
+    self._copy_slot = max(
+      sum(
+        _page_round(int(np.prod(a.shard_shape(rows))) * a.dtype.itemsize)
+        for key, rows in group
+        for a in [self.arrays[key]]
+      )
+      for group in self.members
+    )
+    self._copies = nvme.ReadBuffers(
+      (options.write_depth + 1) * len(self._local_devices) * self._copy_slot
     )
     self.rendezvous = rendezvous_lib.Rendezvous(self.store, len(self._local_devices))
     # Generations this tier makes are newer than any on disk when it opened the store; a state
@@ -118,6 +132,22 @@ class NvmeTier:
     # Counters of `value_and_update`'s layer callbacks on this tier (`layers.TracedLayers`).
     self.layer_stats: collections.Counter[str] = collections.Counter()
     self.id = registry.register(self)
+
+  def host_copies(self, device: int, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Copies of one device's `arrays` (a store group's shards, put), each page-aligned in one
+    buffer of the tier's pool: the store writes them with direct I/O without a staging copy, and
+    the buffer is reused once the store lets go of the arrays (`nvme.ReadBuffers`)."""
+    del device
+    sizes = [_page_round(a.nbytes) for a in arrays]
+    lease = self._copies.take(max(self._copy_slot, sum(sizes)))
+    out, offset = [], 0
+    for a, size in zip(arrays, sizes):
+      copy = lease[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape)
+      np.copyto(copy, a)
+      copy.flags.writeable = False
+      out.append(copy)
+      offset += size
+    return out
 
   def bytes(self) -> int:
     """Bytes of one generation in this process's store (its shards)."""
@@ -319,6 +349,10 @@ class NvmeTier:
 
   def signature(self) -> tuple[Any, ...]:
     return (self.mesh, self.members, self.arrays)
+
+
+def _page_round(nbytes: int) -> int:
+  return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _insert(i: int, part: Any, arrays: Mapping[tuple[int, int], Any]) -> Any:
