@@ -22,9 +22,10 @@ flight while some update computes. XLA:GPU keeps at most two copies in flight: w
 computation per group only half of a group's copies (two in, two out for Adam) could overlap
 compute, hence at least two chunks per group.
 
-Under a trace, a run of equal consecutive row slices of one leaf (`loop_plan`) is one
-`lax.fori_loop` of two of those stages an iteration, the slice's row traced (`_loop`): the program
-does not grow with the number of slices (XLA:GPU's compile time grew faster than it).
+Under a trace, a run of equal consecutive row slices of one leaf, or the slices of several alike
+leaves taken in turn (`loop_plan`), is one `lax.fori_loop` of those stages, the slice's row traced
+(`_loop`): the program does not grow with the number of slices (XLA:GPU's compile time grew
+faster than it), and alike leaves (a Llama layer's four attention matrices) share one loop.
 
 Params and gradients that live in host memory (weights offloaded too, as `offloaded_scan` leaves
 them) travel with their leaf's state: their slices arrive with the group, and with `apply` the new
