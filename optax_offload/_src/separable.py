@@ -9,6 +9,7 @@ different scales in the two groups, and compares.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -99,8 +100,12 @@ def splittable(
   steps; the large state arrays must share the split axes with the param. Elementwise optimizers
   qualify; lamb and lars (trust ratio over the leaf) do not, nor adafactor's factored moments
   along the factored axes (stacked 3-D leaves split along axis 0 qualify).
+
+  The probes of all the shapes asked for, along both axes, run in one compiled program, and their
+  results are kept for the next call with the same `inner` (`offload` asks for the rows, then for
+  the columns; a transformation initialized again is not probed again).
   """
-  out, cache = [], {}
+  keys = []
   for aval, part, depth in zip(avals, per_leaf, dims):
     shape = tuple(aval.shape)
     arrays = jax.tree.leaves(part)
@@ -112,68 +117,165 @@ def splittable(
       or not all(depth[j] > axis for j in big)
       or not jnp.issubdtype(aval.dtype, jnp.floating)
     ):
-      out.append(0)
+      keys.append(None)
       continue
-    probe = tuple(min(int(d), _PROBE_CAP) for d in shape[1:])
-    key = (jnp.dtype(aval.dtype), probe, tuple(depth), axis)
-    if key not in cache:
-      cache[key] = _split_probe(inner, jnp.dtype(aval.dtype), probe, tuple(depth), axis)
-    out.append(shape[axis] if cache[key] else 0)
-  return out
+    trailing = tuple(min(int(d), _PROBE_CAP) for d in shape[1:])
+    keys.append((jnp.dtype(aval.dtype), trailing, tuple(depth), axis))
+  known = _probe_results(inner)
+  asked = {k for k in keys if k is not None}
+  if not asked <= known.keys():
+    # Both axes of each shape: `offload` asks for the columns next.
+    both = {k[:3] + (a,) for k in asked for a in (0, 1) if a <= len(k[1]) and max(k[2]) > a}
+    known.update(_probe(inner, sorted((asked | both) - known.keys(), key=repr)))
+  return [0 if k is None or not known[k] else int(a.shape[axis]) for k, a in zip(keys, avals)]
 
 
-def _split_probe(
-  inner, dtype, trailing: tuple[int, ...], depth: tuple[int, ...], axis: int
-) -> bool:
-  rows = next(m for m in range(5, 64) if m not in trailing)
-  shape = (rows, *trailing)
-  rng = np.random.default_rng(1)
-  with jax.ensure_compile_time_eval():
-    try:
-      params = {"x": jnp.asarray(rng.normal(size=shape) + 0.5, dtype)}
-      layout = StateLayout(inner, jax.tree.structure(params))
-      state = inner.init(params)
-      _, per_leaf = layout.split(state)
-      if shared_dims(per_leaf[0], shape) != depth:
-        return False
-      if axis == 0:
-        spec = _device_spec(((Piece(0, 0, 1),), (Piece(0, 1, rows),)), per_leaf, (depth,))
-      else:
-        spec = _device_spec(((Piece(0),),), per_leaf, (depth,), (((1, 2),),))
-      split_state, split_params = state, params["x"]
-      # Compiled, not op by op: eager ops compile one small program each, per shape (for a 13B
-      # Llama's leaves, 5 s of the first compile's trace).
-      joint_update = jax.jit(inner.update)
-      split_update = jax.jit(
-        lambda g, shared, per: stream.run(
-          inner, layout, spec, [g], shared, per, [split_params], {}, apply=axis == 1
-        )
-      )
-      for scale in _GROUP_SCALES:
-        g = rng.normal(size=shape)
-        first = (slice(None),) * axis + (slice(0, shape[axis] // 2 if axis else 1),)
-        g *= 1e-2
-        g[first] *= 1e2 * scale
-        grads = {"x": jnp.asarray(g, dtype)}
-        joint, state = joint_update(grads, state, params)
-        shared, per = layout.split(split_state)
-        split, new_shared, new_per, _ = split_update(grads["x"], shared, per)
-        split_state = layout.merge(new_shared, new_per)
-        # Updates of low-precision params (master weights) may round either way: one ulp of the
-        # params is noise, not a dependence on the other part.
-        ulp = 2 * float(jnp.finfo(dtype).eps) * float(jnp.max(jnp.abs(params["x"])))
-        if axis == 0:
-          _compare("x", dtype, joint["x"], split[0], atol=ulp)
-        else:
-          _compare("x", dtype, optax.apply_updates(params, joint)["x"], split[0], atol=ulp)
-        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(split_state)):
-          _compare("x", dtype, a, b)
-    except _NotSeparable:
-      return False
-    except Exception as e:  # the probe is a best effort: do not split what it cannot check
+_PROBE_COMPILER_OPTIONS = {
+  "xla_backend_optimization_level": 0,
+  "xla_llvm_disable_expensive_passes": True,
+}
+"""XLA:CPU options of the probe programs: they run once on small arrays, so LLVM's optimizations
+would cost more than they save (a 13B Llama's probes: 2.5 s of compile instead of 3.4 s)."""
+
+
+def _compiled(program, *args):
+  """`program` (jitted) compiled for `args` with `_PROBE_COMPILER_OPTIONS`."""
+  return program.lower(*args).compile(compiler_options=_PROBE_COMPILER_OPTIONS)
+
+
+_PROBED: list[tuple[object, dict]] = []
+"""(inner transformation, its probe results by key) of the last few transformations probed."""
+
+
+def _probe_results(inner) -> dict:
+  for probed, results in _PROBED:
+    if probed is inner:
+      return results
+  _PROBED.insert(0, (inner, {}))
+  del _PROBED[8:]
+  return _PROBED[0][1]
+
+
+def _probe(inner, keys: Sequence[tuple]) -> dict[tuple, bool]:
+  """The split probes of ``(dtype, trailing axes, depth, axis)`` keys in one program, each key a
+  leaf of one probe tree (the leaves' updates are independent: `check_separable`); one program a
+  key if that fails, so that a key the probe cannot run stays whole alone."""
+  try:
+    return _probe_program(inner, keys)
+  except Exception as e:  # a best effort: find the keys that fail
+    if len(keys) == 1:  # the probe is a best effort: do not split what it cannot check
       logger.info("offload: split probe failed (%s: %s); leaves stay whole.", type(e).__name__, e)
-      return False
-  return True
+      return {keys[0]: False}
+    return {k: v for key in keys for k, v in _probe(inner, [key]).items()}
+
+
+@dataclasses.dataclass
+class _Probe:
+  """The probe tree of the keys of one axis: params, gradients of each step, the split spec."""
+
+  keys: list[tuple]
+  axis: int
+  layout: StateLayout
+  params: tuple[np.ndarray, ...]
+  grads: list[tuple[np.ndarray, ...]]
+  spec: stream.StreamSpec
+  ok: list[bool]  # the state shares the split axes with the param as the key says
+
+  @classmethod
+  def make(cls, inner, keys: list[tuple], axis: int, rng) -> _Probe:
+    shapes = [(next(m for m in range(5, 64) if m not in k[1]), *k[1]) for k in keys]
+    params = tuple((rng.normal(size=s) + 0.5).astype(k[0]) for s, k in zip(shapes, keys))
+    layout = StateLayout(inner, jax.tree.structure(params))
+    per_leaf = layout.split(jax.eval_shape(inner.init, params))[1]
+    ok = [shared_dims(part, s) == k[2] for part, s, k in zip(per_leaf, shapes, keys)]
+    # A key whose state does not share the split axes is not split (and is not separable).
+    if axis == 0:
+      units = [(Piece(n, 0, 1),) if good else (Piece(n),) for n, good in enumerate(ok)]
+      units += [(Piece(n, 1, s[0]),) for n, (s, good) in enumerate(zip(shapes, ok)) if good]
+      chunks = None
+    else:
+      units = [(Piece(n),) for n in range(len(keys))]
+      chunks = tuple(((1, 2) if good else (0, 1),) for good in ok)
+    spec = _device_spec(tuple(units), per_leaf, tuple(k[2] for k in keys), chunks)
+    grads = []
+    for scale in _GROUP_SCALES:
+      step = []
+      for s, k in zip(shapes, keys):
+        g = rng.normal(size=s) * 1e-2
+        g[(slice(None),) * axis + (slice(0, s[1] // 2 if axis else 1),)] *= 1e2 * scale
+        step.append(g.astype(k[0]))
+      grads.append(tuple(step))
+    return cls(keys, axis, layout, params, grads, spec, ok)
+
+  def run(self, inner, params, grads):
+    """The joint and the split update over the steps (traced, one step a scan iteration): for each
+    step, (joint updates, split updates, joint state, split state)."""
+
+    def step(states, g):
+      state, split_state = states
+      joint, state = inner.update(g, state, params)
+      if self.axis == 1:
+        joint = optax.apply_updates(params, joint)
+      shared, per = self.layout.split(split_state)
+      split, new_shared, new_per, _ = stream.run(
+        inner, self.layout, self.spec, list(g), shared, per, list(params), {}, apply=self.axis == 1
+      )
+      split_state = self.layout.merge(new_shared, new_per)
+      return (state, split_state), (list(joint), split, state, split_state)
+
+    state = inner.init(params)
+    stacked = jax.tree.map(lambda *g: jnp.stack(g), *grads)
+    _, out = jax.lax.scan(step, (state, state), stacked)
+    return [jax.tree.map(lambda x, t=t: x[t], out) for t in range(len(grads))]
+
+  def check(self, out) -> dict[tuple, bool]:
+    """Each key's verdict from `run`'s results."""
+    result = {}
+    for n, key in enumerate(self.keys):
+      dtype = key[0]
+      # Updates of low-precision params (master weights) may round either way: one ulp of the
+      # params is noise, not a dependence on the other part.
+      ulp = (
+        2 * float(jnp.finfo(dtype).eps) * float(np.max(np.abs(self.params[n].astype(np.float32))))
+      )
+      try:
+        if not self.ok[n]:
+          raise _NotSeparable("the state does not share the split axes")
+        for joint, split, state, split_state in out:
+          _compare("x", dtype, joint[n], split[n], atol=ulp)
+          (shared, per), (split_shared, split_per) = (
+            self.layout.split(state),
+            self.layout.split(split_state),
+          )
+          for a, b in zip(
+            jax.tree.leaves((shared, per[n])), jax.tree.leaves((split_shared, split_per[n]))
+          ):
+            _compare("x", dtype, a, b)
+        result[key] = True
+      except _NotSeparable:
+        result[key] = False
+    return result
+
+
+def _probe_program(inner, keys: Sequence[tuple]) -> dict[tuple, bool]:
+  rng = np.random.default_rng(1)
+  probes = [
+    _Probe.make(inner, [k for k in keys if k[3] == axis], axis, rng)
+    for axis in (0, 1)
+    if any(k[3] == axis for k in keys)
+  ]
+  with jax.ensure_compile_time_eval():
+    # Compiled, not op by op, and one program for all: eager ops compile one small program each,
+    # per shape (for a 13B Llama's leaves, 5 s of the first compile's trace), and each program
+    # ~0.3 s.
+    args = [(p.params, p.grads) for p in probes]
+    program = jax.jit(lambda args: [p.run(inner, *a) for p, a in zip(probes, args)])
+    outs = _compiled(program, args)(args)
+    outs = jax.device_get(outs)
+  result = {}
+  for p, out in zip(probes, outs):
+    result.update(p.check(out))
+  return result
 
 
 def check_separable(
@@ -198,29 +300,32 @@ def check_separable(
     return
   rng = np.random.default_rng(0)
   groups = (tuple(range(0, n, 2)), tuple(range(1, n, 2)))
-  with jax.ensure_compile_time_eval():
-    params = [jnp.asarray(rng.normal(size=_miniature(a.shape)) + 0.5, a.dtype) for a in avals]
+  params = [(rng.normal(size=_miniature(a.shape)) + 0.5).astype(a.dtype) for a in avals]
+  grads = [
+    [
+      (rng.normal(size=p.shape) * (scale if i % 2 == 0 else 1e-2)).astype(p.dtype)
+      for i, p in enumerate(params)
+    ]
+    for scale in _GROUP_SCALES
+  ]
+
+  @jax.jit
+  def joint_and_grouped(params, grads):
     params_tree = layout.params_treedef.unflatten(params)
+    joint_state = split_state = inner.init(params_tree)
+    out = []
+    for g in grads:
+      joint, joint_state = inner.update(
+        layout.params_treedef.unflatten(g), joint_state, params_tree
+      )
+      split, split_state = run_grouped(inner, layout, groups, g, split_state, params)
+      out.append((layout.params_treedef.flatten_up_to(joint), split))
+    return out
+
+  with jax.ensure_compile_time_eval():
     try:
-      joint_state = inner.init(params_tree)
-      split_state = joint_state
-      # Compiled, not op by op (see `_split_probe`).
-      joint_update = jax.jit(inner.update)
-      grouped_update = jax.jit(lambda g, s: run_grouped(inner, layout, groups, g, s, params))
-      for scale in _GROUP_SCALES:
-        grads = [
-          jnp.asarray(rng.normal(size=p.shape) * (scale if i % 2 == 0 else 1e-2), p.dtype)
-          for i, p in enumerate(params)
-        ]
-        joint, joint_state = joint_update(
-          layout.params_treedef.unflatten(grads), joint_state, params_tree
-        )
-        split, split_state = grouped_update(grads, split_state)
-        joint = layout.params_treedef.flatten_up_to(joint)
-        for i in range(n):
-          _compare(paths[i], avals[i].dtype, joint[i], split[i])
-    except _NotSeparable:
-      raise
+      # Compiled, not op by op, in one program (see `_probe_program`).
+      out = jax.device_get(_compiled(joint_and_grouped, params, grads)(params, grads))
     except Exception as e:  # the probe is a best effort; the real update reports real errors
       logger.warning(
         "offload: could not check that the inner transformation is separable (%s: %s); "
@@ -228,6 +333,10 @@ def check_separable(
         type(e).__name__,
         e,
       )
+      return
+  for joint, split in out:
+    for i in range(n):
+      _compare(paths[i], avals[i].dtype, joint[i], split[i])
 
 
 class _NotSeparable(ValueError):

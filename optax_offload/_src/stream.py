@@ -22,9 +22,10 @@ flight while some update computes. XLA:GPU keeps at most two copies in flight: w
 computation per group only half of a group's copies (two in, two out for Adam) could overlap
 compute, hence at least two chunks per group.
 
-Under a trace, a run of equal consecutive row slices of one leaf (`loop_runs`) is one
-`lax.fori_loop` of two of those stages an iteration, the slice's row traced (`_loop`): the program
-does not grow with the number of slices (XLA:GPU's compile time grew faster than it).
+Under a trace, a run of equal consecutive row slices of one leaf, or the slices of several alike
+leaves taken in turn (`loop_plan`), is one `lax.fori_loop` of those stages, the slice's row traced
+(`_loop`): the program does not grow with the number of slices (XLA:GPU's compile time grew
+faster than it), and alike leaves (a Llama layer's four attention matrices) share one loop.
 
 Params and gradients that live in host memory (weights offloaded too, as `offloaded_scan` leaves
 them) travel with their leaf's state: their slices arrive with the group, and with `apply` the new
@@ -85,7 +86,7 @@ class StreamSpec:
       an array sharing none is passed whole.
     chunks: per group, per piece, ``(axis, count)``: its update (with `update_and_apply`) is
       computed in `count` chunks along `axis` (0: rows, 1: columns), each written in place.
-    loop: whether equal row slices may run in a loop (`loop_runs`). `make_setup` allows it for
+    loop: whether equal row slices may run in a loop (`loop_plan`). `make_setup` allows it for
       params on one device: on a mesh of two CPU devices the loop's bits differed from the NVMe
       tier's (unrolled) groups' (tests/test_nvme_tier.py's stale-state test), not yet explained.
   """
@@ -288,6 +289,27 @@ class _Run:
       if extra:
         self.moving[i] = extra
 
+  def alike(self, i: int, j: int) -> bool:
+    """Whether the row slices of leaves i and j may share a loop (`loop_plan`): the same trailing
+    shapes and dtypes of gradients, params and state arrays, tiers, moves and chunking."""
+
+    def form(k):
+      arrays = [self.arrays[(k, n)] for n in range(len(self.spec.array_tiers[k]))]
+      return (
+        [(jnp.shape(x)[1:], jnp.result_type(x)) for x in arrays],
+        jnp.shape(self.grads[k])[1:],
+        jnp.result_type(self.grads[k]),
+        None if self.params is None else jnp.result_type(self.params[k]),
+        None if self.grad_dtypes is None else self.grad_dtypes[k],
+        self.treedefs[k],
+        self.spec.array_tiers[k],
+        self.spec.dims[k],
+        self.moving.get(k),
+        None if self.chunk_updates is None else self.chunk_updates.get(k),
+      )
+
+    return form(i) == form(j)
+
   def offset_rows(self, i: int, j: int) -> bool:
     """Whether array j of leaf i is a host-tier array whose rows start at `row_offset` (a larger
     array than the gradients: the update of a block of rows of it)."""
@@ -372,13 +394,18 @@ class _Run:
       return
     base = self.updates.get(i)
     if base is None:
-      base = self.params[i] if self.apply else self.grads[i]
-      if jnp.result_type(base) != jnp.result_type(u):
-        # One buffer for the leaf's updates, every piece written into it in place. Through a
-        # barrier, so that XLA cannot fold the first write into a `pad` of that piece (a second
-        # leaf-sized producer of the buffer, computed with the piece's update).
-        base = lax.optimization_barrier(jnp.zeros(jnp.shape(base), jnp.result_type(u)))
+      base = self.updates_buffer(i, jnp.result_type(u))
     self.updates[i] = _write_at(base, u, box, len(box), self.row_shift)
+
+  def updates_buffer(self, i: int, dtype) -> jax.Array:
+    """The buffer leaf i's row slices write their updates (or new params) into."""
+    base = self.params[i] if self.apply else self.grads[i]
+    if jnp.result_type(base) != dtype:
+      # One buffer for the leaf's updates, every piece written into it in place. Through a
+      # barrier, so that XLA cannot fold the first write into a `pad` of that piece (a second
+      # leaf-sized producer of the buffer, computed with the piece's update).
+      base = lax.optimization_barrier(jnp.zeros(jnp.shape(base), dtype))
+    return base
 
   def chunks(self, k: int) -> tuple[tuple[int, int], ...]:
     """``(axis, count)`` of group k's pieces: the spec's when the updates are applied here, else
@@ -642,23 +669,35 @@ def _run_streamed(r: _Run, nvme, token, on_device: bool):
   # the backward pass, whose few groups stay unrolled). Eagerly, unrolled: a loop's body would be
   # compiled and fused where the eager update runs op by op (other bits; lion's state differed).
   traced = any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(r.grads))
-  loops = loop_runs(r.spec, r.chunks) if staged and traced and r.row_offset is None else {}
-  bufs, token = fetch(0, token)
+  order, loops = list(range(len(units))), {}
+  if staged and traced and r.row_offset is None:
+    # Alike leaves share a loop with update_and_apply; with tx.update, whose updates buffers
+    # would all ride in the loop's carry, the device temporaries of two stacked bf16 leaves with
+    # master weights grew 86.6 -> 96.5 MiB (tests/test_gpu_program.py), so one loop a leaf.
+    order, loops = loop_plan(r.spec, r.chunks, r.alike if r.apply else None)
+  bufs, token = fetch(order[0], token)
   previous = None  # (k, bufs) of the group whose new state has not left yet
-  k = 0
-  while k < len(units):
-    if k in loops:
-      # Groups k .. end-1 in pairs in one loop; it leaves them as the unrolled ones would: the
-      # last one computed and not sent (`previous`), the next one arrived (`bufs`).
-      end = loops[k]
-      bufs, prev_bufs, token = _loop(r, k, end, bufs, previous[1], token)
-      previous = (end - 1, prev_bufs)
-      k = end
+  pos = 0
+  while pos < len(order):
+    k = order[pos]
+    following = order[pos + 1] if pos + 1 < len(order) else None
+    if pos in loops:
+      # Its groups in one loop; it leaves them as the unrolled ones would: the last one computed
+      # and not sent (`previous`), the next one arrived (`bufs`).
+      loop = loops[pos]
+      for i in loop.leaves:  # every leaf's updates buffer in the loop's carry
+        if PARAM not in r.moving.get(i, []) and i not in r.updates:
+          r.updates[i] = r.updates_buffer(i, jnp.result_type(r.updates[loop.leaves[0]]))
+      bufs, prev_bufs, token = _loop(r, loop, bufs, previous[1], token)
+      previous = (order[loop.end - 1], prev_bufs)
+      pos = loop.end
       continue
     if staged:
-      # Stage boundary: group k's state has arrived and group k-1 is computed.
+      # Stage boundary: group k's state has arrived and the previous group is computed.
       sources = (
-        {key: r.arrays[key] for key in sorted(host_keys(k + 1))} if k + 1 < len(units) else {}
+        {key: r.arrays[key] for key in sorted(host_keys(following))}
+        if following is not None
+        else {}
       )
       prev_bufs = previous[1] if previous else None
       # The previous group's updates written slice by slice pass the boundary too: XLA would
@@ -686,7 +725,7 @@ def _run_streamed(r: _Run, nvme, token, on_device: bool):
     # after the first half of the chunks, so that both kinds of copies overlap some compute. With
     # one chunk, only one kind can: the arriving copies (the prefetch).
     gate = (phases - 1) // 2 if phases > 1 else -1
-    if not (staged and k + 1 < len(units)):
+    if not (staged and following is not None):
       gate = None
     leaves = sorted({p.leaf for p in units[k]})
     for q in range(-1, phases):
@@ -699,21 +738,53 @@ def _run_streamed(r: _Run, nvme, token, on_device: bool):
       done = {i: r.updates[i] for i in leaves if i in r.updates}
       keys = set()
       if q == gate:
-        keys = host_keys(k + 1) | (host_keys(previous[0]) if previous else set())
+        keys = host_keys(following) | (host_keys(previous[0]) if previous else set())
       gated = {key: r.arrays[key] for key in sorted(keys)}
       bufs, done, gated, token = lax.optimization_barrier((bufs, done, gated, token))
       r.updates.update(done)
       r.arrays.update(gated)
     previous = (k, bufs)
-    if k + 1 < len(units):
-      bufs, token = fetch(k + 1, token)
-    k += 1
+    if following is not None:
+      bufs, token = fetch(following, token)
+    pos += 1
   return send(previous[0], previous[1], token)
 
 
 LOOP_MIN_GROUPS = 6
-"""Fewest consecutive equal row slices of one leaf that the update runs in a loop (the first and
-the last of them, and an odd one, stay unrolled around the loop's pairs)."""
+"""Fewest groups that the update runs in a loop: consecutive equal row slices of one leaf, or of
+several leaves alike (`loop_plan`); the first and the last of them (and up to a period's worth
+more) stay unrolled around the loop."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopRange:
+  """Groups run in one `lax.fori_loop` (`_loop`): block positions ``1 .. 1 + stages * trips`` of a
+  block of equal row slices of `leaves`, taken in turn (slice t of each leaf, then slice t + 1).
+
+  Attributes:
+    end: the position (in `loop_plan`'s order) after the loop's last group.
+    leaves: the block's leaves, in turn order.
+    starts: per leaf, the first row of its block.
+    size: rows a slice.
+    stages: groups an iteration (the leaves' count, doubled when odd, so that the buffers of two
+      consecutive groups alternate in the loop carry instead of swapping places, which XLA copies).
+    trips: iterations.
+  """
+
+  end: int
+  leaves: tuple[int, ...]
+  starts: tuple[int, ...]
+  size: int
+  stages: int
+  trips: int
+
+  def group(self, b) -> tuple[int, Any]:
+    """(leaf, first row) of block position `b` (static ``b % len(leaves)``), as `b` may be traced:
+    ``b = stages * p + s`` with `s` static is passed as ``(p, s)``."""
+    p, s = b
+    n = len(self.leaves)
+    j = s % n
+    return self.leaves[j], self.starts[j] + (self.stages // n * p + s // n) * self.size
 
 
 def _loopable(spec: StreamSpec, k: int) -> Piece | None:
@@ -729,26 +800,10 @@ def _loopable(spec: StreamSpec, k: int) -> Piece | None:
   return unit[0]
 
 
-def loop_runs(spec: StreamSpec, chunks=None) -> dict[int, int]:
-  """``first -> end`` of each range of groups the device update runs in one loop, two groups an
-  iteration: the groups between the first and the last of a run of at least `LOOP_MIN_GROUPS`
-  equal consecutive row slices of one leaf (same rows, same chunks), less an odd one.
-
-  Args:
-    spec: the stream spec.
-    chunks: ``k -> `` group k's chunks as the update computes them (default: the spec's).
-
-  Examples:
-    >>> from optax_offload._src.plan import Piece, Tier
-    >>> units = tuple((Piece(0, a, a + 2),) for a in range(0, 20, 2)) + ((Piece(0, 20, 21),),)
-    >>> spec = StreamSpec(units, ((Tier.HOST,),), ((1,),), (((0, 2),),) * 11)
-    >>> loop_runs(spec)  # groups 1 to 8 in 4 iterations; 0, 9 and the remainder 10 unrolled
-    {1: 9}
-  """
-  chunks = chunks or (lambda k: spec.chunks[k])
-  units, out, k = spec.units, {}, 0
-  if not spec.loop:
-    return out
+def _runs(spec: StreamSpec, chunks) -> list[tuple[int, int]]:
+  """``(first, end)`` of each range of consecutive equal row slices of one leaf (same rows, same
+  chunks), at least two."""
+  units, out, k = spec.units, [], 0
   while k < len(units):
     first = _loopable(spec, k)
     end = k + 1
@@ -764,59 +819,134 @@ def loop_runs(spec: StreamSpec, chunks=None) -> dict[int, int]:
       ):
         break
       end += 1
-    pairs = (end - k - 2) // 2
-    if end - k >= LOOP_MIN_GROUPS and pairs >= 1:
-      out[k + 1] = k + 1 + 2 * pairs
+    if end - k >= 2:
+      out.append((k, end))
     k = end
   return out
 
 
-def unrolled_groups(spec: StreamSpec) -> int:
-  """Groups of the device update that are not in a loop (`loop_runs`): what the program's size
-  grows with."""
-  return len(spec.units) - sum(end - first for first, end in loop_runs(spec).items())
+def loop_plan(spec: StreamSpec, chunks=None, alike=None) -> tuple[list[int], dict[int, LoopRange]]:
+  """The order the device update runs the groups in, and the ranges of it that run in loops.
 
-
-def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
-  """Groups ``first .. end-1`` (equal row slices of one leaf, an even number of them) in a
-  `lax.fori_loop` of two groups an iteration, as the unrolled stages run them: a group computes in
-  its chunks while the previous group's new state leaves (dynamic_update_slice into the host
-  arrays, in place) and then the next group's arrives (a dynamic_slice of them). Two groups an
-  iteration so that their buffers alternate in the loop carry instead of swapping places (XLA
-  would copy them).
+  Consecutive runs of equal row slices of leaves that are `alike` (same slices, same state arrays
+  and chunks: Llama's ``wq``, ``wk``, ``wv``, ``wo``) form one block, whose slices run in turn
+  (slice 0 of each leaf, then slice 1, ...), so that one loop serves them all: a program with
+  fewer loops, and fewer groups unrolled around them. Other groups keep the plan's order. A block
+  of at least `LOOP_MIN_GROUPS` groups runs in a loop of its ``1 .. n`` (`LoopRange`).
 
   Args:
-    r: the run; its host arrays and the leaf's updates are read and written.
-    first, end: the groups; `first` has arrived (`bufs`), and `first - 1` (a slice of the same
-      leaf) is computed and has not left (`prev_bufs`).
+    spec: the stream spec.
+    chunks: ``k -> `` group k's chunks as the update computes them (default: the spec's).
+    alike: ``(leaf, leaf) -> bool``, whether two leaves' slices may share a loop (default: no
+      two leaves).
+
+  Returns:
+    (the groups in update order, ``position -> LoopRange`` of each loop's first position).
+
+  Examples:
+    >>> from optax_offload._src.plan import Piece, Tier
+    >>> units = tuple((Piece(0, a, a + 2),) for a in range(0, 20, 2)) + ((Piece(0, 20, 21),),)
+    >>> spec = StreamSpec(units, ((Tier.HOST,),), ((1,),), (((0, 2),),) * 11)
+    >>> order, loops = loop_plan(spec)  # groups 1 to 8 in 4 iterations; 0, 9, 10 unrolled
+    >>> order == list(range(11)), loops[1].end, loops[1].trips
+    (True, 9, 4)
+  """
+  chunks = chunks or (lambda k: spec.chunks[k])
+  alike = alike or (lambda i, j: False)
+  if not spec.loop:
+    return list(range(len(spec.units))), {}
+  runs = _runs(spec, chunks)
+  blocks: list[list[tuple[int, int]]] = []
+  for first, end in runs:
+    if blocks:
+      pf, pe = blocks[-1][-1]
+      if (
+        pe == first
+        and end - first == pe - pf
+        and chunks(first) == chunks(pf)
+        and spec.chunks[first] == spec.chunks[pf]
+        and _size(spec, first) == _size(spec, pf)
+        and alike(spec.units[pf][0].leaf, spec.units[first][0].leaf)
+      ):
+        blocks[-1].append((first, end))
+        continue
+    blocks.append([(first, end)])
+  order, loops, k = [], {}, 0
+  for block in blocks:
+    first = block[0][0]
+    order.extend(range(k, first))
+    n = block[0][1] - first
+    pos = len(order)
+    order.extend(f + t for t in range(n) for f, _ in block)
+    period = len(block)
+    stages = period if period % 2 == 0 else 2 * period
+    trips = (period * n - 2) // stages
+    if period * n >= LOOP_MIN_GROUPS and trips >= 2:  # one trip: no smaller than unrolled
+      loops[pos + 1] = LoopRange(
+        end=pos + 1 + stages * trips,
+        leaves=tuple(spec.units[f][0].leaf for f, _ in block),
+        starts=tuple(spec.units[f][0].start for f, _ in block),
+        size=_size(spec, first),
+        stages=stages,
+        trips=trips,
+      )
+    k = block[-1][1]
+  order.extend(range(k, len(spec.units)))
+  return order, loops
+
+
+def _size(spec: StreamSpec, k: int) -> int:
+  (piece,) = spec.units[k]
+  return piece.stop - piece.start
+
+
+def unrolled_groups(spec: StreamSpec) -> int:
+  """Groups of the device update that are not in a loop, at most (`loop_plan`, without blocks of
+  several leaves): what the program's size grows with."""
+  return len(spec.units) - sum(r.end - p for p, r in loop_plan(spec)[1].items())
+
+
+def _loop(r: _Run, loop: LoopRange, bufs, prev_bufs, token):
+  """A loop's groups (`LoopRange`) in a `lax.fori_loop` of ``loop.stages`` groups an iteration, as
+  the unrolled stages run them: a group computes in its chunks while the previous group's new
+  state leaves (dynamic_update_slice into the host arrays, in place) and then the next group's
+  arrives (a dynamic_slice of them).
+
+  Args:
+    r: the run; its host arrays and the leaves' updates are read and written.
+    loop: the groups: block position 1 has arrived (`bufs`), and position 0 is computed and has
+      not left (`prev_bufs`).
     token: the run's token (through the barriers).
 
   Returns:
-    (group `end`'s arrived buffers, group `end - 1`'s computed ones, token).
+    (the arrived buffers of the group after the loop, the computed ones of its last, token).
   """
-  (piece,) = r.spec.units[first]
-  i, size = piece.leaf, piece.stop - piece.start
-  base = piece.start - first * size  # group k's rows start at base + k * size
-  moving = r.moving.get(i, [])
-  keys = r.spec.offloaded(i) + moving
-  sent = r.spec.offloaded(i) + ([PARAM] if PARAM in moving else [])
-  chunks = r.chunks(first)
+  i0 = loop.leaves[0]
+  size = loop.size
+  moving = r.moving.get(i0, [])
+  keys = r.spec.offloaded(i0) + moving
+  sent = r.spec.offloaded(i0) + ([PARAM] if PARAM in moving else [])
+  first_k = next(
+    k for k, u in enumerate(r.spec.units) if u[0].leaf == i0 and not u[0].whole and len(u) == 1
+  )
+  chunks = r.chunks(first_k)
   phases = chunks[0][1]
   gate = (phases - 1) // 2 if phases > 1 else -1
-  local_spec = dataclasses.replace(r.spec, units=((Piece(i),),), chunks=(r.spec.chunks[first],))
   carries_updates = PARAM not in moving
 
-  def rows(k):
-    return base + k * size
-
-  def stage(k, cur, prev, host, upd, token):
-    """Group k (traced): `cur` arrived, `prev` (group k-1) computed; as `_run_streamed`'s stage."""
+  def stage(p, s, cur, prev, host, upd, token):
+    """Block position ``stages * p + s`` (`p` traced): `cur` arrived, `prev` (the previous
+    position) computed; as `_run_streamed`'s stage."""
+    i, at = loop.group((p, s))
+    prev_i, prev_at = loop.group((p, s - 1))
+    next_i, next_at = loop.group((p, s + 1))
     cur, prev, host, upd, token = lax.optimization_barrier((cur, prev, host, upd, token))
     host = dict(host)
     for j in sent:
       x = memory.to_space(prev[j], HOST)
-      host[j] = lax.dynamic_update_slice_in_dim(host[j], x, rows(k - 1), 0)
+      host[(prev_i, j)] = lax.dynamic_update_slice_in_dim(host[(prev_i, j)], x, prev_at, 0)
     lbufs = {(0, j): cur[j] for j in keys}
+    local_spec = dataclasses.replace(r.spec, units=((Piece(i),),), chunks=(r.spec.chunks[first_k],))
     local = _Run(
       r.inner,
       r.layout,
@@ -831,18 +961,18 @@ def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
       r.apply,
       r.grad_transform,
     )
-    local.row_shift = rows(k)
+    local.row_shift = at
     if r.chunk_updates and r.chunk_updates.get(i):  # the slice's chunks, as unrolled groups'
       local.chunk_updates = {i: True}
     if GRAD not in moving:
       local.grad_rows = lax.platform_dependent(
         r.grads[i],
-        rows(k),
+        at,
         cpu=lambda g, at: lax.optimization_barrier(lax.dynamic_slice_in_dim(g, at, size, 0)),
         default=lambda g, at: lax.dynamic_slice_in_dim(g, at, size, 0),
       )
     if carries_updates:
-      local.updates[i] = upd
+      local.updates[i] = upd[i]
     for q in range(-1, phases):
       if q >= 0:
         local.compute(0, q, lbufs)
@@ -853,30 +983,29 @@ def _loop(r: _Run, first: int, end: int, bufs, prev_bufs, token):
       local.updates.update(done)
       host.update(gated)
     if carries_updates:
-      upd = local.updates[i]
+      upd = dict(upd)
+      upd[i] = local.updates[i]
     nxt = {
-      j: memory.to_space(lax.dynamic_slice_in_dim(host[j], rows(k + 1), size, 0), DEVICE)
+      j: memory.to_space(lax.dynamic_slice_in_dim(host[(next_i, j)], next_at, size, 0), DEVICE)
       for j in keys
     }
     return nxt, {j: lbufs[(0, j)] for j in keys}, host, upd, token
 
   def body(p, carry):
     a, b, host, upd, token = carry
-    k = first + 2 * p
-    b, a, host, upd, token = stage(k, a, b, host, upd, token)  # a computed, b the next arrived
-    a, b, host, upd, token = stage(k + 1, b, a, host, upd, token)
+    for s in range(1, loop.stages + 1, 2):  # block positions 1.., after the unrolled position 0
+      b, a, host, upd, token = stage(p, s, a, b, host, upd, token)  # a computed, b next arrived
+      a, b, host, upd, token = stage(p, s + 1, b, a, host, upd, token)
     return a, b, host, upd, token
 
-  host = {j: r.arrays[(i, j)] for j in keys}
-  upd = r.updates.get(i) if carries_updates else None
+  host = {(i, j): r.arrays[(i, j)] for i in loop.leaves for j in keys}
+  upd = {i: r.updates.get(i) for i in loop.leaves} if carries_updates else None
   cur = {j: bufs[(0, j)] for j in keys}
   prev = {j: prev_bufs[(0, j)] for j in keys}
-  cur, prev, host, upd, token = lax.fori_loop(
-    0, (end - first) // 2, body, (cur, prev, host, upd, token)
-  )
-  r.arrays.update({(i, j): x for j, x in host.items()})
+  cur, prev, host, upd, token = lax.fori_loop(0, loop.trips, body, (cur, prev, host, upd, token))
+  r.arrays.update(host)
   if carries_updates:
-    r.updates[i] = upd
+    r.updates.update(upd)
   return {(0, j): x for j, x in cur.items()}, {(0, j): x for j, x in prev.items()}, token
 
 
