@@ -8,8 +8,8 @@ the update computes as it would in fp32 and only the stored state is rounded. `o
 before planning (`tree_plan.offloaded_inner`), so the plan, `estimate` and the NVMe tier see the
 narrower state and the link and disk move half (bf16) or about a quarter (int8) of the bytes.
 
-8-bit moments (`QuantizedMoment`): bitsandbytes' blockwise dynamic quantization. A moment of shape
-``(..., n)`` becomes ``codes`` (uint8, the same shape: an index into a 256-value map) and
+8-bit moments (`QuantizedMoment`): bitsandbytes' blockwise dynamic quantization. An fp32 moment
+of shape ``(..., n)`` becomes ``codes`` (8 bits, the same shape: an index into a 256-value map) and
 ``scales`` (fp32, shape ``(..., ceil(n / 256))``: the absolute maximum of each block of 256
 elements along the last axis). A value is divided by its block's scale and replaced by the index
 of the nearest map value (ties to the lower index); it reads back as ``map[code] * scale``. The
@@ -22,9 +22,10 @@ slice of a moment (the plan's row slices, a stacked layer) holds whole blocks an
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,18 +99,20 @@ def is_moment(x: Any, param: Any, moment_dtype: Any) -> bool:
 
 
 def narrows(dtype: Any, moment_dtype: Any) -> bool:
-  """Whether a moment of `dtype` is stored in `moment_dtype`: a float wider than it.
+  """Whether a moment of `dtype` is stored in `moment_dtype`: a float wider than it; for
+  ``"int8"``, fp32.
 
   Examples:
     >>> narrows(jnp.float32, jnp.bfloat16), narrows(jnp.bfloat16, jnp.float16)
     (True, False)
-    >>> narrows(jnp.bfloat16, "int8"), narrows(jnp.int32, "int8")
+    >>> narrows(jnp.float32, "int8"), narrows(jnp.bfloat16, "int8")
     (True, False)
   """
-  if not jnp.issubdtype(dtype, jnp.floating):
-    return False
-  bits = 8 if jnp.dtype(moment_dtype) == INT8 else jnp.finfo(moment_dtype).bits
-  return jnp.finfo(dtype).bits > bits
+  if jnp.dtype(moment_dtype) == INT8:  # fp32 moments only: 8-bit codes read back as fp32
+    return jnp.dtype(dtype) == jnp.float32
+  return jnp.issubdtype(dtype, jnp.floating) and (
+    jnp.finfo(dtype).bits > jnp.finfo(moment_dtype).bits
+  )
 
 
 def dynamic_map(signed: bool) -> np.ndarray:
@@ -144,22 +147,26 @@ def _thresholds(signed: bool) -> np.ndarray:
   return np.where(t > mid, np.nextafter(t, np.float32(-np.inf)), t).astype(np.float32)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantizedMoment:
-  """A moment of shape ``(..., n)`` kept in 8 bits: ``codes`` (uint8, the moment's shape) and
-  ``scales`` (fp32, ``(..., ceil(n / 256))``), reading back as ``map[codes] * scales`` per block
-  (`dequantize`). `signed` picks the map (`dynamic_map`), `dtype` is the moment's own dtype (that
-  of the plain optimizer's state), both static."""
+class QuantizedMoment(NamedTuple):
+  """An fp32 moment of shape ``(..., n)`` kept in 8 bits: ``codes`` of the moment's shape and
+  ``scales`` (fp32, ``(..., ceil(n / 256))``), reading back as ``map[code] * scale`` per block
+  (`dequantize`). The codes' dtype names the map: int8 the signed one (``map[code + 128]``),
+  uint8 the unsigned one (``map[code]``)."""
 
-  codes: Any
-  scales: Any
-  signed: bool = dataclasses.field(metadata=dict(static=True))
-  dtype: str = dataclasses.field(metadata=dict(static=True))
+  codes: jax.Array
+  scales: jax.Array
 
 
 def is_quantized(x: Any) -> bool:
-  return isinstance(x, QuantizedMoment)
+  """A `QuantizedMoment`, or the mapping Flax NNX turns it into inside a variable."""
+  if isinstance(x, QuantizedMoment):
+    return True
+  return isinstance(x, Mapping) and not isinstance(x, dict) and set(x.keys()) == {"codes", "scales"}
+
+
+def _parts(q: Any) -> tuple[Any, Any]:
+  """The codes and scales of a `QuantizedMoment` or of NNX's mapping of one."""
+  return (q.codes, q.scales) if isinstance(q, QuantizedMoment) else (q["codes"], q["scales"])
 
 
 def _blocks(x: jax.Array) -> jax.Array:
@@ -171,21 +178,19 @@ def _blocks(x: jax.Array) -> jax.Array:
 
 
 def quantize(x: jax.Array, signed: bool) -> QuantizedMoment:
-  """`x` (at least 1-D) as 8-bit codes and an fp32 absmax scale per block of 256 along its last
-  axis: each value divided by its block's scale (an all-zero block: by 1), then the nearest map
+  """`x` (fp32, at least 1-D) as 8-bit codes (int8 with the signed map, uint8 with the unsigned
+  one) and an fp32 absmax scale per block of 256 along its last axis: each value divided by its block's scale (an all-zero block: by 1), then the nearest map
   value's index (ties to the lower one). NaN and inf propagate to the scale.
 
   Examples:
     >>> q = quantize(jnp.asarray([[0.5, -1.0, 0.0, 2e-3]]), signed=True)
     >>> q.codes.dtype, q.codes.shape, q.scales.shape, float(q.scales[0, 0])
-    (dtype('uint8'), (1, 4), (1, 1), 1.0)
+    (dtype('int8'), (1, 4), (1, 1), 1.0)
     >>> [float(f"{v:.6g}") for v in dequantize(q)[0]]  # the nearest map values
     [0.500781, -0.992969, 0.0, 0.00184375]
   """
-  dtype = jnp.result_type(x).name
-  x = x.astype(jnp.float32)
   n = x.shape[-1]
-  blocks = _blocks(x)
+  blocks = _blocks(x.astype(jnp.float32))
   scales = jnp.max(jnp.abs(blocks), axis=-1)
   normed = blocks / jnp.where(scales > 0, scales, 1.0)[..., None]
   # A branchless binary search over the 255 thresholds (8 steps; XLA fuses them into one loop).
@@ -193,27 +198,31 @@ def quantize(x: jax.Array, signed: bool) -> QuantizedMoment:
   codes = jnp.zeros(normed.shape, jnp.int32)
   for step in (128, 64, 32, 16, 8, 4, 2, 1):
     codes = jnp.where(thresholds[codes + step - 1] < normed, codes + step, codes)
-  codes = codes.reshape(*x.shape[:-1], -1)[..., :n].astype(jnp.uint8)
-  return QuantizedMoment(codes, scales, signed, dtype)
+  codes = codes.reshape(*x.shape[:-1], -1)[..., :n]
+  if signed:
+    return QuantizedMoment((codes - 128).astype(jnp.int8), scales)
+  return QuantizedMoment(codes.astype(jnp.uint8), scales)
 
 
 def dequantize(q: QuantizedMoment) -> jax.Array:
-  """The moment `q` stands for, in its own dtype: ``map[code] * scale`` computed in fp32.
+  """The fp32 moment `q` stands for: ``map[code] * scale``.
 
   Raises:
     ValueError: `q`'s codes and scales do not hold the same blocks (e.g. a column slice of a
       2-D moment's codes with its scales whole).
   """
-  n = q.codes.shape[-1]
-  if q.scales.shape != (*q.codes.shape[:-1], -(-n // BLOCK)):
+  codes, scales = _parts(q)
+  n = codes.shape[-1]
+  if scales.shape != (*codes.shape[:-1], -(-n // BLOCK)):
     raise ValueError(
-      f"QuantizedMoment: codes of shape {q.codes.shape} need scales of shape "
-      f"{(*q.codes.shape[:-1], -(-n // BLOCK))} (one per {BLOCK} along the last axis), got "
-      f"{q.scales.shape}."
+      f"QuantizedMoment: codes of shape {codes.shape} need scales of shape "
+      f"{(*codes.shape[:-1], -(-n // BLOCK))} (one per {BLOCK} along the last axis), got "
+      f"{scales.shape}."
     )
-  values = jnp.asarray(dynamic_map(q.signed))[_blocks(q.codes.astype(jnp.int32))]
-  x = (values * q.scales[..., None]).reshape(*q.codes.shape[:-1], -1)[..., :n]
-  return x.astype(q.dtype)
+  signed = jnp.dtype(codes.dtype) == jnp.int8
+  index = codes.astype(jnp.int32) + (128 if signed else 0)
+  values = jnp.asarray(dynamic_map(signed))[_blocks(index)]
+  return (values * scales[..., None]).reshape(*codes.shape[:-1], -1)[..., :n]
 
 
 def quantized_nbytes(shape: tuple[int, ...]) -> int:
@@ -235,14 +244,14 @@ def dequantized(tree: Any) -> Any:
   def read(q):
     if not is_quantized(q):
       return q
-    sharding = getattr(q.codes, "sharding", None)
+    codes, scales = _parts(q)
+    sharding = getattr(codes, "sharding", None)
     if sharding is None or not hasattr(sharding, "with_memory_kind"):
       return dequantize(q)
     on_device = sharding.with_memory_kind("device")
-    codes = jax.device_put(q.codes, on_device)
-    scales = jax.device_put(q.scales, getattr(q.scales, "sharding", on_device).with_memory_kind("device"))
-    x = jax.jit(dequantize)(QuantizedMoment(codes, scales, q.signed, q.dtype))
-    return jax.device_put(x, sharding)
+    codes = jax.device_put(codes, on_device)
+    scales = jax.device_put(scales, scales.sharding.with_memory_kind("device"))
+    return jax.device_put(jax.jit(dequantize)(QuantizedMoment(codes, scales)), sharding)
 
   return jax.tree.map(read, tree, is_leaf=is_quantized)
 
@@ -255,12 +264,22 @@ def _slot_name(path: Any) -> str:
   return ""
 
 
+def _is_wrapper(x: Any) -> bool:
+  """A pytree node around one array that is no container (e.g. Flax NNX's ``nnx.Param``, which
+  ``nnx.Optimizer`` passes to ``init``)."""
+  if x is None or isinstance(x, dict | list | tuple | Mapping) or hasattr(x, "shape"):
+    return False
+  leaves, treedef = jax.tree.flatten(x)
+  return len(leaves) == 1 and treedef.num_nodes > 1
+
+
 def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: Any) -> Any:
-  """`state` with its moments quantized: float arrays of at least 2 dimensions shaped like their
+  """`state` with its moments quantized: fp32 arrays of at least 2 dimensions shaped like their
   param, in the param-shaped subtrees (the signed or unsigned map by the subtree's field name).
 
   The rule looks at the rank, not the size: a row slice of a leaf (the plan's slices, the planner's
-  probes on miniatures) must be quantized as the whole leaf is. 1-D moments keep their dtype."""
+  probes on miniatures) must be quantized as the whole leaf is. A moment in a wrapper (an
+  ``nnx.Param``) becomes a `QuantizedMoment` of two wrapped arrays."""
   template = inner.init(layout_lib.placeholder())
 
   def per_slot(path, t, value):
@@ -269,11 +288,14 @@ def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: A
     signed = _slot_name(path) not in UNSIGNED_SLOTS
 
     def one(x, p):
-      if jnp.ndim(x) >= 2 and is_moment(x, p, INT8):
-        return quantize(x, signed)
-      return x
+      (x_leaf,), x_def = jax.tree.flatten(x)
+      (p_leaf,) = jax.tree.leaves(p)
+      if jnp.ndim(x_leaf) < 2 or not is_moment(x_leaf, p_leaf, INT8):
+        return x
+      q = quantize(x_leaf, signed)
+      return QuantizedMoment(x_def.unflatten([q.codes]), x_def.unflatten([q.scales]))
 
-    return jax.tree.map(one, value, params)
+    return jax.tree.map(one, value, params, is_leaf=_is_wrapper)
 
   return jax.tree_util.tree_map_with_path(
     per_slot, template, state, is_leaf=layout_lib.is_placeholder
@@ -297,7 +319,11 @@ def _quantized_moments(
     new_updates, new_state = inner.update(updates, wide, params, **extra_args)
     # Quantized again where it came quantized: a row slice keeps its leaf's form.
     new_state = jax.tree.map(
-      lambda new, old: quantize(new, old.signed) if is_quantized(old) else new, new_state, state
+      lambda new, old: quantize(new, signed=jnp.dtype(_parts(old)[0].dtype) == jnp.int8)
+      if is_quantized(old)
+      else new,
+      new_state,
+      state,
     )
     return new_updates, new_state
 
@@ -323,13 +349,14 @@ def with_moment_dtype(
   to `moment_dtype` after every step, bit for bit. Optax's own ``mu_dtype`` differs: it computes
   ``b1 * mu`` in bf16 with ``b1`` rounded to bf16 (0.9 becomes 0.8984375), docs/tiers.md.
 
-  With ``"int8"`` each moment of 2 or more dimensions becomes a `QuantizedMoment` (8-bit codes
-  and an fp32 scale per block of 256 along the last axis, bitsandbytes' blockwise dynamic
-  quantization; see the module's docstring); ``update`` reads them back to their dtype, runs
-  `inner` and quantizes the new moments (per-block absmax, nearest code). 1-D moments (biases,
-  norm scales) keep their dtype, whatever their size; small 2-D ones are quantized too (the rule
-  must not depend on the size: a row slice is quantized as its leaf). `oo.to_inner` reads a
-  quantized state back to the plain optimizer's.
+  With ``"int8"`` each fp32 moment of 2 or more dimensions becomes a `QuantizedMoment` (8-bit
+  codes and an fp32 scale per block of 256 along the last axis, bitsandbytes' blockwise dynamic
+  quantization; see the module's docstring); ``update`` reads them back to fp32, runs `inner` and
+  quantizes the new moments (per-block absmax, nearest code). 1-D moments (biases, norm scales)
+  stay fp32, whatever their size; small 2-D ones are quantized too (the rule must not depend on
+  the size: a row slice is quantized as its leaf); moments that are not fp32 (bf16 params without
+  a master copy) keep their dtype. `oo.to_inner` reads a quantized state back to the plain
+  optimizer's.
 
   Args:
     inner: an optax transformation whose state `optax.tree_utils.tree_map_params` can map.
@@ -358,8 +385,10 @@ def with_moment_dtype(
     >>> tx = oo.with_moment_dtype(optax.adam(1e-3), "int8")
     >>> state = tx.init(params)
     >>> updates, state = tx.update(params, state, params)
-    >>> state[0].mu["w"].codes.dtype, state[0].mu["w"].scales.shape, state[0].mu["b"].dtype
-    (dtype('uint8'), (4, 1), dtype('float32'))
+    >>> state[0].mu["w"].codes.dtype, state[0].nu["w"].codes.dtype, state[0].mu["w"].scales.shape
+    (dtype('int8'), dtype('uint8'), (4, 1))
+    >>> state[0].mu["b"].dtype  # 1-D: fp32
+    dtype('float32')
   """
   dtype = parse_moment_dtype(moment_dtype)
   if dtype is None:

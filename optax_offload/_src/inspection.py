@@ -145,7 +145,7 @@ def to_inner(state: Any, *, memory_kind: str | None = None) -> Any:
   Every `OffloadState` in the tree is replaced by its inner state (without master weights), so the
   state of
   ``optax.chain(clip, offload(adamw))`` becomes a state of ``optax.chain(clip, adamw)``. Moments
-  kept 8-bit (``moment_dtype="int8"``) are read back to their own dtype (`compress.dequantize`);
+  kept 8-bit (``moment_dtype="int8"``) are read back to fp32 (`compress.dequantize`);
   bf16 moments stay bf16.
 
   Args:
