@@ -485,7 +485,9 @@ def test_offload_equals_the_int8_wrapper_in_row_slices(params, name):
 def test_the_nvme_tier_holds_int8_moments_with_the_host_tier_bits(params, tmp_path):
   # wide: scales (4096, 1) of 4096 elements, offloaded with their codes (smaller ones stay on
   # the device, as every state array under min_size does).
-  params = dict(params, wide=jnp.asarray(np.random.default_rng(5).normal(size=(4096, 256)), jnp.float32))
+  params = dict(
+    params, wide=jnp.asarray(np.random.default_rng(5).normal(size=(4096, 256)), jnp.float32)
+  )
   kwargs = dict(moment_dtype="int8", window_bytes=1 << 20)  # wide in row slices
   host = train(oo.offload(optax.adamw(1e-2), **kwargs), params, 2)
   tx = oo.offload(optax.adamw(1e-2), host_limit=0, nvme_dir=str(tmp_path), **kwargs)

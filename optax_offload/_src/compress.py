@@ -35,7 +35,6 @@ import optax
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import units
 
-
 INT8 = np.dtype("int8")
 """`parse_moment_dtype`'s value for 8-bit block-quantized moments (`QuantizedMoment`)."""
 
@@ -319,9 +318,11 @@ def _quantized_moments(
     new_updates, new_state = inner.update(updates, wide, params, **extra_args)
     # Quantized again where it came quantized: a row slice keeps its leaf's form.
     new_state = jax.tree.map(
-      lambda new, old: quantize(new, signed=jnp.dtype(_parts(old)[0].dtype) == jnp.int8)
-      if is_quantized(old)
-      else new,
+      lambda new, old: (
+        quantize(new, signed=jnp.dtype(_parts(old)[0].dtype) == jnp.int8)
+        if is_quantized(old)
+        else new
+      ),
       new_state,
       state,
     )

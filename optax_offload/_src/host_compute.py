@@ -50,9 +50,7 @@ def _replay(closed: _compat.ClosedJaxpr, *args: Any) -> list[Any]:
       spaces = {space_of(x) for x in invals} - {None}
       if HOST in spaces and (len(spaces) > 1 or any(_is_numpy_const(x) for x in invals)):
         invals = [
-          jax.device_put(x, HOST)
-          if space_of(x) not in (None, HOST) or _is_numpy_const(x)
-          else x
+          jax.device_put(x, HOST) if space_of(x) not in (None, HOST) or _is_numpy_const(x) else x
           for x in invals
         ]
       params = eqn.primitive.get_bind_params(eqn.params)
