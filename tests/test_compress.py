@@ -20,6 +20,7 @@ from conftest import assert_close
 from conftest import bits_equal
 from conftest import make_grads
 from conftest import train
+from conftest import update_step
 
 import optax_offload as oo
 from optax_offload._src import cli
@@ -486,7 +487,7 @@ def test_the_nvme_tier_holds_int8_moments_with_the_host_tier_bits(params, tmp_pa
   # wide: scales (4096, 1) of 4096 elements, offloaded with their codes (smaller ones stay on
   # the device, as every state array under min_size does).
   params = dict(
-    params, wide=jnp.asarray(np.random.default_rng(5).normal(size=(4096, 256)), jnp.float32)
+    params, wide=jnp.asarray(np.random.default_rng(5).normal(size=(4096, 64)), jnp.float32)
   )
   kwargs = dict(moment_dtype="int8", window_bytes=1 << 20)  # wide in row slices
   host = train(oo.offload(optax.adamw(1e-2), **kwargs), params, 2)
@@ -504,10 +505,10 @@ def test_the_nvme_tier_holds_int8_moments_with_the_host_tier_bits(params, tmp_pa
     assert bits_equal(
       inspection._materialized(got_state), jax.device_get(inspection._materialized(host[1]))
     )
-    # Codes of big (300 x 200), conv (4608), dense/kernel (8192), wide (4096 x 256) and wide's
+    # Codes of big (300 x 200), conv (4608), dense/kernel (8192), wide (4096 x 64) and wide's
     # scales, for mu and nu; embed (bf16, no master copy) keeps bf16 moments.
     assert oo.footprint(got_state)["nvme"] == (
-      (60000 + 4608 + 8192 + 4096 * 256 + 4096 * 4) * 2 + 16384 * 2 * 2
+      (60000 + 4608 + 8192 + 4096 * 64 + 4096 * 4) * 2 + 16384 * 2 * 2
     )
   finally:
     oo.close_nvme(got_state)
@@ -529,3 +530,34 @@ def test_estimate_from_shapes_is_offloads_int8_plan(params, capsys):
   state = oo.offload(optax.adam(1e-3), moment_dtype="int8").init(params)
   assert e.host_bytes == oo.footprint(state)["host"]
   assert e.device_state_bytes + 8 == oo.footprint(state)["device"]  # + OffloadState's handles
+
+
+def test_a_flax_nnx_optimizer_keeps_int8_moments():
+  # NNX turns a named tuple held in a variable into its own mapping after the first update: the
+  # wrapper reads that form too, step after step.
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.full((64, 128), 0.1, jnp.float32))
+
+  def loss(w):
+    return jnp.sum((w - jnp.arange(128.0) / 128) ** 2)
+
+  model = Model()
+  make = lambda: oo.offload(optax.adam(1e-2), moment_dtype="int8", min_size=256)  # noqa: E731
+  optimizer = nnx.Optimizer(model, make(), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer):
+    grads = nnx.grad(lambda m: loss(m.w[...]))(model)
+    optimizer.update(model, grads)
+
+  tx = make()
+  params = {"w": jnp.full((64, 128), 0.1, jnp.float32)}
+  state = tx.init(params)
+  plain = jax.jit(lambda p, s: update_step(tx, False)(p, s, {"w": jax.grad(loss)(p["w"])}))
+  for _ in range(3):
+    step(model, optimizer)
+    params, state = plain(params, state)
+  assert bits_equal(model.w[...], params["w"])

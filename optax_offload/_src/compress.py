@@ -178,8 +178,9 @@ def _blocks(x: jax.Array) -> jax.Array:
 
 def quantize(x: jax.Array, signed: bool) -> QuantizedMoment:
   """`x` (fp32, at least 1-D) as 8-bit codes (int8 with the signed map, uint8 with the unsigned
-  one) and an fp32 absmax scale per block of 256 along its last axis: each value divided by its block's scale (an all-zero block: by 1), then the nearest map
-  value's index (ties to the lower one). NaN and inf propagate to the scale.
+  one) and an fp32 absmax scale per block of 256 along its last axis: each value divided by its
+  block's scale (an all-zero block: by 1), then the nearest map value's index (ties to the lower
+  one). NaN and inf propagate to the scale.
 
   Examples:
     >>> q = quantize(jnp.asarray([[0.5, -1.0, 0.0, 2e-3]]), signed=True)
@@ -192,7 +193,7 @@ def quantize(x: jax.Array, signed: bool) -> QuantizedMoment:
   blocks = _blocks(x.astype(jnp.float32))
   scales = jnp.max(jnp.abs(blocks), axis=-1)
   normed = blocks / jnp.where(scales > 0, scales, 1.0)[..., None]
-  # A branchless binary search over the 255 thresholds (8 steps; XLA fuses them into one loop).
+  # A branchless binary search over the 255 thresholds: 8 steps of a compare and a select.
   thresholds = jnp.asarray(np.append(_thresholds(signed), np.float32(np.inf)))
   codes = jnp.zeros(normed.shape, jnp.int32)
   for step in (128, 64, 32, 16, 8, 4, 2, 1):
@@ -291,7 +292,9 @@ def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: A
       (p_leaf,) = jax.tree.leaves(p)
       if jnp.ndim(x_leaf) < 2 or not is_moment(x_leaf, p_leaf, INT8):
         return x
-      q = quantize(x_leaf, signed)
+      # The barrier keeps XLA from constant-folding the quantization of the initial zeros (over
+      # 1 s for a 1024 x 256 moment: folding runs element by element at compile time).
+      q = quantize(jax.lax.optimization_barrier(x_leaf), signed)
       return QuantizedMoment(x_def.unflatten([q.codes]), x_def.unflatten([q.scales]))
 
     return jax.tree.map(one, value, params, is_leaf=_is_wrapper)
