@@ -561,3 +561,18 @@ def test_a_flax_nnx_optimizer_keeps_int8_moments():
     step(model, optimizer)
     params, state = plain(params, state)
   assert bits_equal(model.w[...], params["w"])
+
+
+def test_value_and_update_refuses_int8_moments_clearly():
+  from test_value_and_update import decoder
+  from test_value_and_update import tokens
+
+  from benchmarks.stream_layers import streamed_loss_fn
+
+  cfg, params = decoder(3, BF16)
+  tx = oo.offload(optax.sgd(1e-2, momentum=0.9), master_dtype=jnp.float32, moment_dtype="int8")
+  params = dict(params, layers=oo.to_pinned_host(params["layers"]))
+  state = tx.init(params)
+  step = jax.jit(oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx))
+  with pytest.raises(NotImplementedError, match="moment_dtype='bf16' with value_and_update"):
+    step(params, state, tokens(0, 0, 1))
