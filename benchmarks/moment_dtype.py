@@ -1,10 +1,12 @@
-"""Error of bf16 moments against fp32 moments on a small real training run (the demo's GPT).
+"""Error of bf16 and 8-bit moments against fp32 moments on a small real training run (the demo's GPT).
 
 Trains the byte-level GPT of ``examples/demo.py`` on the Python standard library's source, in
 lockstep from one init on the same batches, with AdamW:
 
 - ``fp32``: ``oo.offload(adamw)``, moments in fp32 (the baseline);
 - ``bf16``: ``oo.offload(adamw, moment_dtype="bf16")``, moments in bf16 on the host tier;
+- ``int8``: ``oo.offload(adamw, moment_dtype="int8")``, moments 8-bit block-quantized on the host
+  tier (1-D moments in fp32);
 - ``fp32_groups``: fp32 moments updated in several groups (``window_bytes="256KiB"``), whose
   ulp-level differences per update (docs/tiers.md) set the noise floor of any comparison;
 - ``optax_mu_bf16``: plain ``optax.adamw(mu_dtype=bf16)`` (only ``mu`` in bf16, and ``b1 * mu``
@@ -16,6 +18,8 @@ difference to ``fp32`` over the run, and each run's largest parameter difference
 relative to the leaf's scale.
 
     python benchmarks/moment_dtype.py --steps 300 --out bench_out/moment_dtype.json
+
+``--runs fp32,int8`` trains only those (tests/test_compress.py runs a short one).
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ def main(argv=None) -> dict:
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None, help="write the results as JSON here")
+  p.add_argument(
+    "--runs", default=None, help="comma-separated runs to train (default: all; fp32 always)"
+  )
   args = p.parse_args(argv)
   demo = _demo()
   cfg = argparse.Namespace(
@@ -71,12 +78,19 @@ def main(argv=None) -> dict:
   txs = {
     "fp32": oo.offload(optax.adamw(args.lr), master_dtype=master),
     "bf16": oo.offload(optax.adamw(args.lr), master_dtype=master, moment_dtype="bf16"),
+    "int8": oo.offload(optax.adamw(args.lr), master_dtype=master, moment_dtype="int8"),
   }
   # The noise floor: fp32 moments updated in several groups differ from one group by ulps per
   # update (the numerics rule in DESIGN.md), which training then amplifies.
   txs["fp32_groups"] = oo.offload(optax.adamw(args.lr), master_dtype=master, window_bytes="256KiB")
   if master is None:
     txs["optax_mu_bf16"] = optax.adamw(args.lr, mu_dtype=jnp.bfloat16)
+  if args.runs is not None:
+    chosen = {"fp32", *args.runs.split(",")}
+    unknown = chosen - set(txs)
+    if unknown:
+      p.error(f"--runs: unknown {sorted(unknown)}; choose from {sorted(txs)}")
+    txs = {k: v for k, v in txs.items() if k in chosen}
 
   train_data, val_data = demo.load_text()
   rng = np.random.default_rng(args.seed)

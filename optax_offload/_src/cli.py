@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
   opt(
     "--moment-dtype",
     metavar="DTYPE",
-    help="keep the optimizer's moments in this dtype on every tier, e.g. bf16 (half the bytes)",
+    help="keep the optimizer's moments in this dtype on every tier: bf16 (half the bytes) or "
+    "int8 (8-bit block-quantized: a byte per element + an fp32 scale per 256)",
   )
   opt("--update-on", default="device", choices=("device", "host"), help="default device")
   opt(

@@ -424,9 +424,11 @@ def estimate(
       a tree's leaves carry their own.
     master_dtype: dtype of an offloaded master copy of lower-precision parameters (``"fp32"``), or
       None. The optimizer's state then has this dtype.
-    moment_dtype: dtype of the optimizer's moments (``"bf16"``), as `offload`'s: the float state
-      arrays shaped like their param are counted in it where it is narrower (a bare count: every
-      per-parameter slot of the named optimizer); the master copy keeps `master_dtype`.
+    moment_dtype: dtype of the optimizer's moments (``"bf16"``, ``"int8"``), as `offload`'s: the
+      float state arrays shaped like their param are counted in it where it is narrower (a bare
+      count: every per-parameter slot of the named optimizer); the master copy keeps
+      `master_dtype`. ``"int8"``: a byte per element and 4 per block of 256 (a bare count: one
+      axis, 1.0156 bytes per element; shapes: the quantized state `offload` builds).
     update_on: ``"device"`` or ``"host"``, as in `offload`.
     weights_on: ``"host"`` when the layer stack's weights and gradients live in pinned host memory
       too (`offloaded_scan` forward and backward; `update_and_apply` streams them through the
@@ -649,9 +651,13 @@ def _estimate_count(
   master_bytes = n * master.itemsize if use_master else 0
   # Every slot of a named optimizer is a float array shaped like its param: a moment.
   slot_dtype = state_dtype
+  slot_bytes = n * state_dtype.itemsize
   if moments is not None and compress.narrows(state_dtype, moments):
     slot_dtype = moments
-  offloaded = master_bytes + n * opt.slots * slot_dtype.itemsize
+    slot_bytes = n * moments.itemsize
+    if moments == compress.INT8:  # and an fp32 scale per 256 along the last axis
+      slot_bytes = compress.quantized_nbytes((n,))
+  offloaded = master_bytes + opt.slots * slot_bytes
   state_name = dtype_name(state_dtype)
   if slot_dtype != state_dtype and opt.slots:
     state_name = "mixed" if use_master else dtype_name(slot_dtype)

@@ -7,7 +7,7 @@ do). `run_on_host` therefore traces the function on device-typed stand-ins (wher
 typed), then replays the jaxpr equation by equation on the host arrays inside
 ``compute_on("device_host")`` (`_compat.compute_on_host`: the context manager or the decorator
 form, by jax version), moving any device-typed operand (a constant built inside) to host memory
-before the op that mixes it in. The arithmetic is the function's own; only placement changes.
+before the op that mixes it in (and a numpy constant, e.g. `compress`'s lookup tables). The arithmetic is the function's own; only placement changes.
 """
 
 from __future__ import annotations
@@ -16,10 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from optax_offload._src import _compat
 from optax_offload._src.memory import HOST
 from optax_offload._src.memory import space_of
+
+
+def _is_numpy_const(x: Any) -> bool:
+  """A numpy array captured as a constant (e.g. a lookup table): bound as a device array."""
+  return isinstance(x, np.ndarray) and x.ndim > 0
 
 
 def _replay(closed: _compat.ClosedJaxpr, *args: Any) -> list[Any]:
@@ -42,8 +48,11 @@ def _replay(closed: _compat.ClosedJaxpr, *args: Any) -> list[Any]:
       outvals = _replay(body, *invals)
     else:
       spaces = {space_of(x) for x in invals} - {None}
-      if HOST in spaces and len(spaces) > 1:
-        invals = [jax.device_put(x, HOST) if space_of(x) not in (None, HOST) else x for x in invals]
+      if HOST in spaces and (len(spaces) > 1 or any(_is_numpy_const(x) for x in invals)):
+        invals = [
+          jax.device_put(x, HOST) if space_of(x) not in (None, HOST) or _is_numpy_const(x) else x
+          for x in invals
+        ]
       params = eqn.primitive.get_bind_params(eqn.params)
       outvals = eqn.primitive.bind(*invals, **params)
       if not eqn.primitive.multiple_results:

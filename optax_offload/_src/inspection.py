@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from optax_offload._src import compress
 from optax_offload._src import master as master_lib
 from optax_offload._src import memory
 from optax_offload._src import nvme_tier
@@ -143,7 +144,9 @@ def to_inner(state: Any, *, memory_kind: str | None = None) -> Any:
 
   Every `OffloadState` in the tree is replaced by its inner state (without master weights), so the
   state of
-  ``optax.chain(clip, offload(adamw))`` becomes a state of ``optax.chain(clip, adamw)``.
+  ``optax.chain(clip, offload(adamw))`` becomes a state of ``optax.chain(clip, adamw)``. Moments
+  kept 8-bit (``moment_dtype="int8"``) are read back to fp32 (`compress.dequantize`);
+  bf16 moments stay bf16.
 
   Args:
     state: an `OffloadState` or a tree containing some. NVMe-tier parts are read from the store
@@ -167,7 +170,8 @@ def to_inner(state: Any, *, memory_kind: str | None = None) -> Any:
     if not _is_offload_state(x):
       return x
     inner = _materialized(x)
-    return inner.inner if isinstance(inner, master_lib.MasterState) else inner
+    inner = inner.inner if isinstance(inner, master_lib.MasterState) else inner
+    return compress.dequantized(inner)  # moment_dtype="int8": the moments read back
 
   plain = jax.tree.map(unwrap, state, is_leaf=_is_offload_state)
   if memory_kind is None:

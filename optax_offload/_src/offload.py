@@ -96,8 +96,10 @@ def offload(
     moment_dtype: e.g. ``"bf16"``: keep the inner state's moments in this dtype on every tier,
       halving their host, link and disk bytes (`with_moment_dtype`: the float state arrays shaped
       like their param, not the master copy, counts or hyper-parameters). The update widens them,
-      computes as before and rounds the new moments to nearest even. Floats of 16 bits or more;
-      ``"int8"`` is refused.
+      computes as before and rounds the new moments to nearest even. Floats of 16 bits or more,
+      or ``"int8"``: moments of 2 or more dimensions 8-bit block-quantized (a byte per element
+      and an fp32 scale per 256 along the last axis, bitsandbytes' blockwise dynamic
+      quantization: about a quarter of their fp32 bytes; 1-D moments keep their dtype).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. Its state is an `OffloadState`.

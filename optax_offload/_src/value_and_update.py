@@ -233,6 +233,14 @@ class _Step:
     self.stacks = stacks
     fused = {i for s, _ in stacks for i in s}
     self.fused = fused
+    for i in sorted(fused):
+      if any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(per_leaf[i])):
+        raise NotImplementedError(
+          f"value_and_update: the state of {paths[i]} holds integer arrays (moment_dtype='int8' "
+          "codes), and a layer stack updated in the backward pass returns its new state as "
+          "gradients, which integers cannot be. Use moment_dtype='bf16' with value_and_update, "
+          "or moment_dtype='int8' with tx.update or oo.update_and_apply."
+        )
     # The NVMe tier: one generation per optimizer step, begun in the pass that updates.
     self.traced = setup.callbacks
     self.layers = None
