@@ -11,10 +11,13 @@ import time
 
 import numpy as np
 import pytest
+from conftest import CHILD_PROCESSES
 from helpers import child_env
 from helpers import start_child
 
 from optax_offload._src import nvme
+
+pytestmark = CHILD_PROCESSES
 
 
 def _free_port() -> int:
