@@ -21,8 +21,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py $(ARGS)
 
+# Two pytest-xdist workers (the CI machine's cores): the suite is mostly single-threaded compiles.
+# Each worker holds a JAX runtime (~1-3 GB); `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=15 optax_offload tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadgroup optax_offload tests $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(ARGS)

@@ -30,6 +30,31 @@ import pytest  # noqa: E402
 collect_ignore_glob = ["*_child.py"]
 
 
+CHILD_PROCESSES = pytest.mark.xdist_group("child_processes")
+"""Marks a test that runs several child processes at once or kills one at a timed moment: under
+pytest-xdist such tests run one after another in one worker (beside the other worker's tests), so
+that no two of them share the machine's cores at the same time."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its hook of the same name)
+def pytest_collection_modifyitems(config, items):
+  """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``), the tests of a module that use a
+  module-scoped fixture of that module run in one worker, so that the fixture (a compiled program,
+  a reference run, a child process) is built once, as in a single process."""
+  del config
+  for item in items:
+    if item.get_closest_marker("xdist_group") is not None:
+      continue
+    module = item.module.__name__ if getattr(item, "module", None) is not None else None
+    defs = getattr(item, "_fixtureinfo", None)
+    shared = defs is not None and any(
+      d[-1].scope == "module" and getattr(d[-1].func, "__module__", None) == module
+      for d in defs.name2fixturedefs.values()
+    )
+    if shared:
+      item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 def make_params(seed: int = 0) -> dict:
   """Mixed shapes and dtypes: bf16 and fp32 leaves, leaves above and below min_size=4096."""
   rng = np.random.default_rng(seed)

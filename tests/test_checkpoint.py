@@ -24,6 +24,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from conftest import CHILD_PROCESSES
 from conftest import WHOLE_LEAF_WINDOW
 from conftest import bits_equal
 from helpers import expect_line
@@ -258,6 +259,7 @@ def test_linked_files_share_the_store_inodes(fast_dir):
   oo.close_nvme(s)
 
 
+@CHILD_PROCESSES
 def test_sigkill_during_training_and_saves(fast_dir):
   # Trial 0 links slowly and is killed inside a save's background part; the others at random
   # moments: just after a save started, or up to 0.3 s later (mid-step or mid-save).

@@ -11,10 +11,13 @@ import time
 
 import numpy as np
 import pytest
+from conftest import CHILD_PROCESSES
 from helpers import child_env
 from helpers import start_child
 
 from optax_offload._src import nvme
+
+pytestmark = CHILD_PROCESSES
 
 
 def _free_port() -> int:
@@ -67,9 +70,16 @@ def _assert_same_result(a, b):
     assert np.array_equal(ref[k].view(np.uint8), got[k].view(np.uint8)), k
 
 
-def test_two_processes_equal_one_process_bit_for_bit(tmp_path):
-  one, two = tmp_path / "one", tmp_path / "two"
-  (fp_one,) = _run(1, one)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+  """The 1-process host-tier run, the reference of both bit-for-bit tests (run once)."""
+  out = tmp_path_factory.mktemp("one_process") / "one"
+  (footprint,) = _run(1, out)
+  return out, footprint
+
+
+def test_two_processes_equal_one_process_bit_for_bit(one_process, tmp_path):
+  (one, fp_one), two = one_process, tmp_path / "two"
   fp_two = _run(2, two)
   _assert_same_result(one, two)
   # Each process holds its own shards in its own host memory: half of the sharded state each.
@@ -80,12 +90,12 @@ def test_two_processes_equal_one_process_bit_for_bit(tmp_path):
   assert host_two[0] + host_two[1] == host_one
 
 
-def test_nvme_tier_across_processes_and_checkpoint_into_one_process(tmp_path):
+def test_nvme_tier_across_processes_and_checkpoint_into_one_process(one_process, tmp_path):
   """Host + NVMe tiers: 2 processes == 1 process == the host tier alone, each process storing only
   its own shards; a checkpoint saved by the 2 processes restores into 1 (and into 2) and continues
   identically."""
-  host, one, two, resumed = (tmp_path / d for d in ("host", "one", "two", "resumed"))
-  _run(1, host)
+  host, _ = one_process
+  one, two, resumed = (tmp_path / d for d in ("one", "two", "resumed"))
   (fp_one,) = _run(1, one, "--nvme")
   fp_two = _run(2, two, "--nvme", "--save-at", "5")
   _assert_same_result(host, one)

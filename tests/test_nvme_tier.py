@@ -8,6 +8,7 @@ import numpy as np
 import nvme_tier_child as tier_child
 import optax
 import pytest
+from conftest import CHILD_PROCESSES
 from conftest import assert_close
 from conftest import bits_equal
 from conftest import make_grads
@@ -384,6 +385,7 @@ def _joined_slices(data, name):
   return np.concatenate([data[n] for n in names])
 
 
+@CHILD_PROCESSES
 def test_sigkill_at_random_moments_leaves_a_committed_generation(tmp_path):
   steps = 400
   refs = _reference_states(60)
