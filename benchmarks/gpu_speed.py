@@ -53,9 +53,11 @@ run no further ahead than the buffers allow.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -71,8 +73,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import optax_offload as oo  # noqa: E402
 from benchmarks import llama  # noqa: E402
 from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
+from optax_offload._src import compress  # noqa: E402
 from optax_offload._src import gpu_program  # noqa: E402
 from optax_offload._src import hlo_cost  # noqa: E402
+from optax_offload._src.nvme_tier import callbacks as nvme_callbacks  # noqa: E402
+from optax_offload._src.nvme_tier import layers as nvme_layers  # noqa: E402
 
 VARIANTS = ("plain_bf16", "offload_state", "offload_all", "fused_state", "fused_all", "fused_nvme")
 STACK_ON_HOST = ("offload_all", "fused_all", "fused_nvme")
@@ -241,8 +246,12 @@ def _per_layer_device_bytes(cfg, variant: str, micro_batch: int, k: int) -> int:
   return total
 
 
-NVME_SCOPES = {"nvme_layer_fetch": "read", "nvme_group_fetch": "read"}
-NVME_SCOPES.update(nvme_layer_put="write", nvme_group_put="write")
+NVME_SCOPES = {
+  nvme_layers.FETCH_SCOPE: "read",
+  nvme_callbacks.FETCH_SCOPE: "read",
+  nvme_layers.PUT_SCOPE: "write",
+  nvme_callbacks.PUT_SCOPE: "write",
+}
 """The `jax.named_scope`s of the NVMe tier's callbacks (nvme_tier/layers.py, callbacks.py): a
 fetch's results are the NVMe arrays it read, a put's operands those it writes."""
 
@@ -313,6 +322,8 @@ def rows_for_nvme(name: str, target: str, args) -> list[dict]:
   hw = oo.hardware(target, args.host)
   window = int(args.window_fraction * MEMORY[target])
   nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="gpu_speed_nvme_")
+  if not args.nvme_dir:
+    atexit.register(shutil.rmtree, nvme_dir, ignore_errors=True)
   args = argparse.Namespace(**{**vars(args), "nvme_dir": nvme_dir})
   e = nvme_plan(cfg, target, args, window)
   options = oo.NvmeOptions(prefetch_depth=args.prefetch_depth, write_depth=args.write_depth)
@@ -399,9 +410,8 @@ def rows_for_nvme(name: str, target: str, args) -> list[dict]:
   return rows
 
 
-INT8_BLOCK = 256
-"""Elements per fp32 scale of the projected 8-bit moments (torchao's AdamW8bit; bitsandbytes'
-blockwise 8-bit optimizers use 2048)."""
+INT8_BLOCK = compress.BLOCK
+"""Elements per fp32 scale of the projected 8-bit moments: `moment_dtype="int8"`'s block."""
 
 
 def _int8_projection(row, hlo, disk, hw, e, group, options, args) -> dict:

@@ -71,7 +71,7 @@ jax._src.core.Primitive,              Private (`per_platform_callback`, for the 
 jax._src.dispatch.apply_primitive,    callbacks): a primitive of our own whose lowering rule
 jax._src.interpreters.mlir            (run outside jit by ``apply_primitive``, as io_callback)
 .register_lowering, .lower_fun,       (``register_lowering(prim, rule)``; ``lower_fun(fun,
-jax._src.callback.IOEffect            multiple_results=True)(ctx, *args)``; ``ctx.module_context
+jax._src.callback._IOEffect           multiple_results=True)(ctx, *args)``; ``ctx.module_context
                                       .platforms``) lowers one function on a CPU and another
                                       elsewhere, carrying io_callback's unordered ``IOEffect``.
                                       Not checked against 0.12.
@@ -131,6 +131,8 @@ from jax.extend.core import Literal
 from optax.tree_utils._state_utils import _ParamsPlaceholder as ParamsPlaceholder
 
 from optax_offload._src import memory
+
+logger = logging.getLogger(__name__)
 
 try:  # optax 0.2.x keeps the message of its "params are required" error in `optax._src.base`.
   from optax._src.base import NO_PARAMS_MSG
@@ -449,6 +451,11 @@ def multi_steps_skips_nothing(multi: Any) -> bool:
 
 
 @functools.cache
+def _warn_once(message: str) -> None:
+  logger.warning("optax_offload: %s", message)
+
+
+@functools.cache
 def _per_platform_primitive() -> Any:
   from jax._src import callback as jax_callback
   from jax._src import core as jax_core
@@ -483,9 +490,15 @@ def per_platform_callback(
   platform the program is lowered for, not the one it is traced on (`gpu_program.compile_for_gpu`
   traces on this machine's CPU devices). The call is effectful like an unordered ``io_callback``.
   """
-  from jax._src import core as jax_core
+  try:
+    from jax._src import core as jax_core
 
-  avals = tuple(jax_core.ShapedArray(s.shape, s.dtype) for s in result_shapes)
-  return _per_platform_primitive().bind(
-    *args, on_cpu=on_cpu, elsewhere=elsewhere, result_avals=avals
-  )
+    prim = _per_platform_primitive()
+    avals = tuple(jax_core.ShapedArray(s.shape, s.dtype) for s in result_shapes)
+  except (ImportError, AttributeError) as e:  # private names moved: `elsewhere` on every platform
+    _warn_once(
+      f"per_platform_callback: JAX's internals moved ({type(e).__name__}: {e}); the NVMe tier's "
+      "callbacks are io_callbacks on every platform (correct; more copies on a CPU)."
+    )
+    return elsewhere(*args)
+  return prim.bind(*args, on_cpu=on_cpu, elsewhere=elsewhere, result_avals=avals)

@@ -7,7 +7,8 @@ do). `run_on_host` therefore traces the function on device-typed stand-ins (wher
 typed), then replays the jaxpr equation by equation on the host arrays inside
 ``compute_on("device_host")`` (`_compat.compute_on_host`: the context manager or the decorator
 form, by jax version), moving any device-typed operand (a constant built inside) to host memory
-before the op that mixes it in (and a numpy constant, e.g. `compress`'s lookup tables). The arithmetic is the function's own; only placement changes.
+before the op that mixes it in (and a numpy constant, e.g. `compress`'s lookup tables). The
+arithmetic is the function's own; only placement changes.
 """
 
 from __future__ import annotations

@@ -125,8 +125,15 @@ def splittable(
   asked = {k for k in keys if k is not None}
   if not asked <= known.keys():
     # Both axes of each shape: `offload` asks for the columns next.
-    both = {k[:3] + (a,) for k in asked for a in (0, 1) if a <= len(k[1]) and max(k[2]) > a}
-    known.update(_probe(inner, sorted((asked | both) - known.keys(), key=repr)))
+    both = {
+      k[:3] + (a,)
+      for k in asked
+      for a in (0, 1)
+      if a <= len(k[1]) and min(k[2]) > a and (a == 0 or k[1][0] >= 2)
+    }
+    results, failed = _probe(inner, sorted((asked | both) - known.keys(), key=repr))
+    known.update({k: v for k, v in results.items() if k not in failed})
+    known = {**known, **results}
   return [0 if k is None or not known[k] else int(a.shape[axis]) for k, a in zip(keys, avals)]
 
 
@@ -135,7 +142,8 @@ _PROBE_COMPILER_OPTIONS = {
   "xla_llvm_disable_expensive_passes": True,
 }
 """XLA:CPU options of the probe programs: they run once on small arrays, so LLVM's optimizations
-would cost more than they save (a 13B Llama's probes: 2.5 s of compile instead of 3.4 s)."""
+would cost more than they save (a 13B Llama's probes, measured once on a loaded machine: 2.5
+CPU-s of compile instead of 3.4)."""
 
 
 def _compiled(program, *args):
@@ -156,17 +164,32 @@ def _probe_results(inner) -> dict:
   return _PROBED[0][1]
 
 
-def _probe(inner, keys: Sequence[tuple]) -> dict[tuple, bool]:
+def _probe(inner, keys: Sequence[tuple]) -> tuple[dict[tuple, bool], set[tuple]]:
   """The split probes of ``(dtype, trailing axes, depth, axis)`` keys in one program, each key a
   leaf of one probe tree (the leaves' updates are independent: `check_separable`); one program a
-  key if that fails, so that a key the probe cannot run stays whole alone."""
+  key if that fails, so that a key the probe cannot run stays whole alone.
+
+  Returns:
+    (each key's verdict, the keys whose probe failed: not split, and not kept for the next call).
+  """
   try:
-    return _probe_program(inner, keys)
+    return _probe_program(inner, keys), set()
   except Exception as e:  # a best effort: find the keys that fail
-    if len(keys) == 1:  # the probe is a best effort: do not split what it cannot check
-      logger.info("offload: split probe failed (%s: %s); leaves stay whole.", type(e).__name__, e)
-      return {keys[0]: False}
-    return {k: v for key in keys for k, v in _probe(inner, [key]).items()}
+    if len(keys) == 1:  # do not split what the probe cannot check
+      logger.warning(
+        "offload: the split probe of %s failed (%s: %s); such leaves stay whole (slower "
+        "streaming, same results).",
+        keys[0],
+        type(e).__name__,
+        e,
+      )
+      return {keys[0]: False}, {keys[0]}
+    results, failed = {}, set()
+    for key in keys:
+      verdict, bad = _probe(inner, [key])
+      results.update(verdict)
+      failed |= bad
+    return results, failed
 
 
 @dataclasses.dataclass

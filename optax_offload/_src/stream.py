@@ -673,7 +673,8 @@ def _run_streamed(r: _Run, nvme, token, on_device: bool):
   if staged and traced and r.row_offset is None:
     # Alike leaves share a loop with update_and_apply; with tx.update, whose updates buffers
     # would all ride in the loop's carry, the device temporaries of two stacked bf16 leaves with
-    # master weights grew 86.6 -> 96.5 MiB (tests/test_gpu_program.py), so one loop a leaf.
+    # master weights grew 86.6 -> 96.5 MiB (measured once; the case of
+    # tests/test_gpu_program.py's tx_update test, which pins 86.6), so one loop a leaf.
     order, loops = loop_plan(r.spec, r.chunks, r.alike if r.apply else None)
   bufs, token = fetch(order[0], token)
   previous = None  # (k, bufs) of the group whose new state has not left yet
@@ -769,6 +770,7 @@ class LoopRange:
     stages: groups an iteration (the leaves' count, doubled when odd, so that the buffers of two
       consecutive groups alternate in the loop carry instead of swapping places, which XLA copies).
     trips: iterations.
+    first: the group at block position 1 (every group of the loop is chunked as it is).
   """
 
   end: int
@@ -777,6 +779,7 @@ class LoopRange:
   size: int
   stages: int
   trips: int
+  first: int  # the loop's first group (its chunks are every group's)
 
   def group(self, b) -> tuple[int, Any]:
     """(leaf, first row) of block position `b` (static ``b % len(leaves)``), as `b` may be traced:
@@ -889,6 +892,7 @@ def loop_plan(spec: StreamSpec, chunks=None, alike=None) -> tuple[list[int], dic
         size=_size(spec, first),
         stages=stages,
         trips=trips,
+        first=order[pos + 1],
       )
     k = block[-1][1]
   order.extend(range(k, len(spec.units)))
@@ -926,9 +930,7 @@ def _loop(r: _Run, loop: LoopRange, bufs, prev_bufs, token):
   moving = r.moving.get(i0, [])
   keys = r.spec.offloaded(i0) + moving
   sent = r.spec.offloaded(i0) + ([PARAM] if PARAM in moving else [])
-  first_k = next(
-    k for k, u in enumerate(r.spec.units) if u[0].leaf == i0 and not u[0].whole and len(u) == 1
-  )
+  first_k = loop.first
   chunks = r.chunks(first_k)
   phases = chunks[0][1]
   gate = (phases - 1) // 2 if phases > 1 else -1

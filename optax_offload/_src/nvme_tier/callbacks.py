@@ -114,8 +114,8 @@ class TracedTier:
     shapes = [result_shapes] if single else list(result_shapes)
 
     def call(device, xs, borrowed):
-      if keeps and borrowed:
-        xs = [xs[0], *self.tier.host_copies(device, xs[1:])]
+      if keeps and borrowed:  # the pool of the tier the state names (the token), as the put's
+        xs = [xs[0], *self.resolve(int(np.asarray(xs[0])[2])).host_copies(device, xs[1:])]
       out = callback(device, *xs)
       return [out] if single else out
 

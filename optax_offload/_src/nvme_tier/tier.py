@@ -112,13 +112,17 @@ class NvmeTier:
     # Page-aligned buffers for the arrays a put callback hands to the store on a CPU
     # (`host_copies`): one slot holds one device's shards of any store group; a put holds one
     # while it waits and `write_depth` more are queued or being written.
-    self._copy_slot = max(
-      sum(
-        _page_round(int(np.prod(a.shard_shape(rows))) * a.dtype.itemsize)
-        for key, rows in group
-        for a in [self.arrays[key]]
+    self._copy_slot = (
+      max(
+        sum(
+          _page_round(int(np.prod(a.shard_shape(rows))) * a.dtype.itemsize)
+          for key, rows in group
+          for a in [self.arrays[key]]
+        )
+        for group in self.members
       )
-      for group in self.members
+      if self.members
+      else 0
     )
     self._copies = nvme.ReadBuffers(
       (options.write_depth + 1) * len(self._local_devices) * self._copy_slot
