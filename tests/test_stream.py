@@ -75,11 +75,25 @@ def test_the_loop_gives_the_unrolled_bits(name, make, apply, host_params, dtype,
   assert bits_equal(ref_state, got_state), name
 
 
-@pytest.mark.parametrize("stacks", [2, 3])
-def test_alike_leaves_share_one_loop_with_the_unrolled_bits(stacks, monkeypatch):
+@pytest.mark.parametrize(
+  "stacks,host_params,dtype",
+  [
+    (2, False, jnp.float32),
+    (3, False, jnp.float32),
+    (2, True, jnp.float32),
+    (3, False, jnp.bfloat16),
+  ],
+  ids=["2", "3", "2-weights_on_host", "3-bf16_master"],
+)
+def test_alike_leaves_share_one_loop_with_the_unrolled_bits(
+  stacks, host_params, dtype, monkeypatch
+):
   # Their slices run in turn in one loop (three leaves: six groups an iteration, so that the
-  # buffers alternate in the carry); the order of the groups changes nothing in the results.
-  kwargs = dict(apply=True, host_params=False, monkeypatch=monkeypatch, stacks=stacks)
+  # buffers alternate in the carry); the order of the groups changes nothing in the results,
+  # with the weights streamed through the loop too (each leaf's host params in the carry) and
+  # with bf16 params and an fp32 master copy.
+  kwargs = dict(apply=True, host_params=host_params, monkeypatch=monkeypatch, stacks=stacks)
+  kwargs["dtype"] = dtype
   make = lambda: optax.adamw(1e-2)  # noqa: E731
   ref_params, ref_state = _train(make, loop=False, **kwargs)
   got_params, got_state = _train(make, loop=True, **kwargs)
