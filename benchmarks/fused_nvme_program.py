@@ -53,16 +53,7 @@ def model_program(args) -> None:
   args.moment_dtype = args.moment_dtype or "fp32"
   cfg = dataclasses.replace(llama.CONFIGS[args.model], attention="flash")
   window = int(args.window_fraction * gpu_speed.MEMORY[args.target])
-  e = gpu_speed.nvme_plan(cfg, args.target, args, window)
-  moments = {} if args.moment_dtype == "fp32" else {"moment_dtype": args.moment_dtype}
-  tx = oo.offload(
-    optax.adamw(1e-4),
-    master_dtype=jnp.float32,
-    window_bytes=window,
-    host_limit=e.host_bytes,
-    nvme_dir=args.nvme_dir,
-    **moments,
-  )
+  e, tx = gpu_speed.nvme_tx(cfg, args.target, args, window)
   c = gpu_speed.compile_variant(cfg, "fused_nvme", args.target, args.micro_batch, 1, window, tx=tx)
   schedule = gpu_program.parse_schedule(c.hlo)
   _, runs = gpu_speed.nvme_disk_io(c.hlo)

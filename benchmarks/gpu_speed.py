@@ -256,6 +256,23 @@ NVME_SCOPES = {
 fetch's results are the NVMe arrays it read, a put's operands those it writes."""
 
 
+def nvme_tx(cfg, target: str, args, window: int, options=None):
+  """(`nvme_plan`, the offloaded AdamW it places: fp32 master, the state beyond the plan's host
+  bytes in ``args.nvme_dir``)."""
+  e = nvme_plan(cfg, target, args, window)
+  moments = {} if args.moment_dtype == "fp32" else {"moment_dtype": args.moment_dtype}
+  tx = oo.offload(
+    optax.adamw(1e-4),
+    master_dtype=jnp.float32,
+    window_bytes=window,
+    host_limit=e.host_bytes,
+    nvme_dir=args.nvme_dir,
+    nvme_options=options,
+    **moments,
+  )
+  return e, tx
+
+
 def nvme_plan(cfg, target: str, args, window: int) -> oo.Estimate:
   """The one-host-budget plan of the model (its shapes) for `--host-memory` on `target`."""
   if args.host_memory is None:
@@ -325,18 +342,8 @@ def rows_for_nvme(name: str, target: str, args) -> list[dict]:
   if not args.nvme_dir:
     atexit.register(shutil.rmtree, nvme_dir, ignore_errors=True)
   args = argparse.Namespace(**{**vars(args), "nvme_dir": nvme_dir})
-  e = nvme_plan(cfg, target, args, window)
   options = oo.NvmeOptions(prefetch_depth=args.prefetch_depth, write_depth=args.write_depth)
-  moments = {} if args.moment_dtype == "fp32" else {"moment_dtype": args.moment_dtype}
-  tx = oo.offload(
-    optax.adamw(1e-4),
-    master_dtype=jnp.float32,
-    window_bytes=window,
-    host_limit=e.host_bytes,
-    nvme_dir=nvme_dir,
-    nvme_options=options,
-    **moments,
-  )
+  e, tx = nvme_tx(cfg, target, args, window, options)
   c = compile_variant(cfg, "fused_nvme", target, args.micro_batch, 1, window, tx=tx)
   disk, runs = nvme_disk_io(c.hlo)
   group = nvme_group_bytes(e)
