@@ -277,7 +277,8 @@ INT8_CASES = [
   # the state in the NVMe tier (the per-block callbacks). Bit for bit where the grouping does not
   # change the arithmetic (DESIGN.md's numerics rule): a clip that does not trigger (a triggering
   # one scales by a norm summed layer by layer), sgd's momentum (lion's mu differs by ulps in the
-  # leaves outside the stack with a stack on the device: another program, the same with fp32).
+  # leaves outside the stack with the stack on the device and accumulate=2, with fp32 moments too:
+  # measured; its params, through a sign, agree).
   ("sgd_momentum", "bf16_master", 3, 1, None, True, False),
   ("sgd_momentum", "fp32", 4, 2, None, False, False),
   ("sgd_momentum", "fp32", 3, 2, 1e6, True, False),
