@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax import lax
 from conftest import assert_close
+from jax import lax
 
 import optax_offload as oo
 from benchmarks import llama
