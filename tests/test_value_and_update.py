@@ -194,6 +194,24 @@ def test_bad_input_is_refused_with_the_fix(tmp_path):
   with pytest.raises(NotImplementedError, match="update_on='host'"):
     jax.jit(oo.value_and_update(loss, tx))(params, tx.init(params), t)
 
+  # Integer state rides through the backward bit-cast to a float of its width: booleans cannot.
+  tx = oo.offload(optax.chain(optax.sgd(1e-2), _flags()), min_size=256)
+  with pytest.raises(NotImplementedError, match="holds a bool array.*not booleans"):
+    jax.jit(oo.value_and_update(loss, tx))(params, tx.init(params), t)
+
+
+def _flags() -> optax.GradientTransformation:
+  """A transformation with boolean per-parameter state: which entries ever had a gradient."""
+
+  def init(params):
+    return {"seen": jax.tree.map(lambda p: jnp.zeros(p.shape, bool), params)}
+
+  def update(updates, state, params=None):
+    del params
+    return updates, {"seen": jax.tree.map(lambda s, g: s | (g != 0), state["seen"], updates)}
+
+  return optax.GradientTransformation(init, update)
+
 
 def test_a_loss_without_offloaded_scan_updates_like_update_and_apply():
   # No stack reaches offloaded_scan: every leaf is updated after the backward pass.

@@ -241,7 +241,8 @@ class _Step:
             f"value_and_update: the optimizer state of stack leaf {paths[i]} holds a "
             f"{jnp.dtype(x.dtype).name} array; a layer stack updated in the backward pass returns "
             "its new state as the backward's float 'cotangents', which carry integer state as "
-            "floats of the same width (bit for bit) for 1, 2 and 4-byte integers only. Use "
+            "floats of the same width (bit for bit) for 1, 2 and 4-byte integers only (not "
+            "booleans or 8-byte integers). Use "
             "jax.value_and_grad and oo.update_and_apply for this optimizer."
           )
     # The NVMe tier: one generation per optimizer step, begun in the pass that updates.
