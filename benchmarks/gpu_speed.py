@@ -604,7 +604,7 @@ def main(argv=None) -> list[dict]:
     "--remat", default="full", choices=llama.REMAT, help="plain and offload_state"
   )
   parser.add_argument(
-    "--moment-dtype", default="fp32", choices=("fp32", "bf16"), help="fused_nvme's moments"
+    "--moment-dtype", default="fp32", choices=("fp32", "bf16", "int8"), help="fused_nvme's moments"
   )
   parser.add_argument("--nvme-dir", default=None, help="fused_nvme: NVMe tier directory (temp)")
   parser.add_argument("--prefetch-depth", type=int, default=1, help="fused_nvme: NvmeOptions")

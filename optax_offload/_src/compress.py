@@ -193,10 +193,13 @@ def quantize(x: jax.Array, signed: bool) -> QuantizedMoment:
   blocks = _blocks(x.astype(jnp.float32))
   scales = jnp.max(jnp.abs(blocks), axis=-1)
   normed = blocks / jnp.where(scales > 0, scales, 1.0)[..., None]
-  # A branchless binary search over the 255 thresholds: 8 steps of a compare and a select.
-  thresholds = jnp.asarray(np.append(_thresholds(signed), np.float32(np.inf)))
-  codes = jnp.zeros(normed.shape, jnp.int32)
-  for step in (128, 64, 32, 16, 8, 4, 2, 1):
+  # A branchless binary search over the 255 thresholds: 8 steps of a compare and a select. The
+  # first compares with one threshold (every code starts at 0): as a gather from constant codes
+  # XLA folded it at compile time, element by element (4-16 s per moment of a 13B model).
+  host_thresholds = np.append(_thresholds(signed), np.float32(np.inf))
+  thresholds = jnp.asarray(host_thresholds)
+  codes = jnp.where(jnp.float32(host_thresholds[127]) < normed, 128, 0).astype(jnp.int32)
+  for step in (64, 32, 16, 8, 4, 2, 1):
     codes = jnp.where(thresholds[codes + step - 1] < normed, codes + step, codes)
   codes = codes.reshape(*x.shape[:-1], -1)[..., :n]
   if signed:
@@ -245,15 +248,31 @@ def dequantized(tree: Any) -> Any:
     if not is_quantized(q):
       return q
     codes, scales = _parts(q)
-    sharding = getattr(codes, "sharding", None)
-    if sharding is None or not hasattr(sharding, "with_memory_kind"):
-      return dequantize(q)
-    on_device = sharding.with_memory_kind("device")
-    codes = jax.device_put(codes, on_device)
-    scales = jax.device_put(scales, scales.sharding.with_memory_kind("device"))
+    sharding = _sharding(codes)
+    if sharding is None:
+      return dequantize(QuantizedMoment(codes, scales))
+    # Scales without a sharding of their own (a numpy array) go where the codes are, whole.
+    scales_on = _sharding(scales) or _replicated(sharding)
+    codes = jax.device_put(codes, sharding.with_memory_kind("device"))
+    scales = jax.device_put(scales, scales_on.with_memory_kind("device"))
     return jax.device_put(jax.jit(dequantize)(QuantizedMoment(codes, scales)), sharding)
 
   return jax.tree.map(read, tree, is_leaf=is_quantized)
+
+
+def _sharding(x: Any) -> Any:
+  """`x`'s sharding when it has one with a memory kind (a `jax.Array`), else None."""
+  sharding = getattr(x, "sharding", None)
+  return sharding if hasattr(sharding, "with_memory_kind") else None
+
+
+def _replicated(sharding: Any) -> Any:
+  """A sharding on `sharding`'s devices that holds an array of any shape whole."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind
+    )
+  return sharding
 
 
 def _slot_name(path: Any) -> str:
@@ -273,9 +292,22 @@ def _is_wrapper(x: Any) -> bool:
   return len(leaves) == 1 and treedef.num_nodes > 1
 
 
+def quantizes(shape: tuple[int, ...]) -> bool:
+  """Whether an fp32 moment of `shape` is kept in 8 bits: 2 or more dimensions and a last axis of
+  2 or more. A last axis of 1 would cost 5 bytes per element (a code and a one-element block's
+  scale), more than fp32's 4; a last axis of n >= 2 costs 1 + 4 * ceil(n / 256) / n <= 3. Row
+  slices and the planner's miniatures (each axis cut to at most 3) keep the answer.
+
+  Examples:
+    >>> quantizes((64, 256)), quantizes((64, 2)), quantizes((64, 1)), quantizes((4096,))
+    (True, True, False, False)
+  """
+  return len(shape) >= 2 and shape[-1] >= 2
+
+
 def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: Any) -> Any:
-  """`state` with its moments quantized: fp32 arrays of at least 2 dimensions shaped like their
-  param, in the param-shaped subtrees (the signed or unsigned map by the subtree's field name).
+  """`state` with its moments quantized: fp32 arrays shaped like their param that `quantizes`,
+  in the param-shaped subtrees (the signed or unsigned map by the subtree's field name).
 
   The rule looks at the rank, not the size: a row slice of a leaf (the plan's slices, the planner's
   probes on miniatures) must be quantized as the whole leaf is. A moment in a wrapper (an
@@ -290,7 +322,7 @@ def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: A
     def one(x, p):
       (x_leaf,), x_def = jax.tree.flatten(x)
       (p_leaf,) = jax.tree.leaves(p)
-      if jnp.ndim(x_leaf) < 2 or not is_moment(x_leaf, p_leaf, INT8):
+      if not quantizes(jnp.shape(x_leaf)) or not is_moment(x_leaf, p_leaf, INT8):
         return x
       # The barrier keeps XLA from constant-folding the quantization of the initial zeros (over
       # 1 s for a 1024 x 256 moment: folding runs element by element at compile time).
@@ -357,10 +389,11 @@ def with_moment_dtype(
   codes and an fp32 scale per block of 256 along the last axis, bitsandbytes' blockwise dynamic
   quantization; see the module's docstring); ``update`` reads them back to fp32, runs `inner` and
   quantizes the new moments (per-block absmax, nearest code). 1-D moments (biases, norm scales)
-  stay fp32, whatever their size; small 2-D ones are quantized too (the rule must not depend on
-  the size: a row slice is quantized as its leaf); moments that are not fp32 (bf16 params without
-  a master copy) keep their dtype. `oo.to_inner` reads a quantized state back to the plain
-  optimizer's.
+  stay fp32, whatever their size, and so do moments whose last axis is 1 (8 bits would take 5
+  bytes per element there, `quantizes`); small 2-D ones are quantized too (the rule must not
+  depend on the size: a row slice is quantized as its leaf); moments that are not fp32 (bf16
+  params without a master copy) keep their dtype. `oo.to_inner` reads a quantized state back to
+  the plain optimizer's.
 
   Args:
     inner: an optax transformation whose state `optax.tree_utils.tree_map_params` can map.

@@ -99,7 +99,8 @@ def offload(
       computes as before and rounds the new moments to nearest even. Floats of 16 bits or more,
       or ``"int8"``: moments of 2 or more dimensions 8-bit block-quantized (a byte per element
       and an fp32 scale per 256 along the last axis, bitsandbytes' blockwise dynamic
-      quantization: about a quarter of their fp32 bytes; 1-D moments keep their dtype).
+      quantization: about a quarter of their fp32 bytes; 1-D moments and a last axis of 1 keep
+      their dtype).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. Its state is an `OffloadState`.

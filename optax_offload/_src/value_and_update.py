@@ -165,7 +165,8 @@ def value_and_update(
     TypeError: for a transformation it does not recognise.
     ValueError: when a stack's optimizer state cannot be updated layer by layer.
     NotImplementedError: with ``update_on="host"``; with a stack's state in the NVMe tier and
-      params on a mesh of several devices.
+      params on a mesh of several devices; with a stack's state holding integers of 8 bytes or
+      booleans (8-bit moments, ``moment_dtype="int8"``, are carried: `_carrier`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optax_offload as oo
@@ -234,13 +235,16 @@ class _Step:
     fused = {i for s, _ in stacks for i in s}
     self.fused = fused
     for i in sorted(fused):
-      if any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(per_leaf[i])):
-        raise NotImplementedError(
-          f"value_and_update: the state of {paths[i]} holds integer arrays (moment_dtype='int8' "
-          "codes), and a layer stack updated in the backward pass returns its new state as "
-          "gradients, which integers cannot be. Use moment_dtype='bf16' with value_and_update, "
-          "or moment_dtype='int8' with tx.update or oo.update_and_apply."
-        )
+      for x in jax.tree.leaves(per_leaf[i]):
+        if _carrier(x.dtype) is None:
+          raise NotImplementedError(
+            f"value_and_update: the optimizer state of stack leaf {paths[i]} holds a "
+            f"{jnp.dtype(x.dtype).name} array; a layer stack updated in the backward pass returns "
+            "its new state as the backward's float 'cotangents', which carry integer state as "
+            "floats of the same width (bit for bit) for 1, 2 and 4-byte integers only (not "
+            "booleans or 8-byte integers). Use "
+            "jax.value_and_grad and oo.update_and_apply for this optimizer."
+          )
     # The NVMe tier: one generation per optimizer step, begun in the pass that updates.
     self.traced = setup.callbacks
     self.layers = None
@@ -350,7 +354,7 @@ class _Step:
         new_parts = cot[s]["parts"]
         for pos, i in enumerate(stack_leaves):
           new_leaves[i] = g[i]  # the backward's "cotangent" of a fused stack: its new weights
-          new_per_leaf[i] = new_parts[pos]
+          new_per_leaf[i] = _from_carrier(new_parts[pos], self.per_leaf[i])
     else:
       ios = [
         self.io(
@@ -471,7 +475,7 @@ class _Step:
     if out is not None:
       io["out"] = tuple(out)
     if parts:
-      io["parts"] = tuple(self.per_leaf[i] for i in stack_leaves)
+      io["parts"] = tuple(_to_carrier(self.per_leaf[i]) for i in stack_leaves)
       if s in self.nvme_stacks:
         # The NVMe token rides with the state through the backward loop (as float32 bits: the
         # "cotangent" of an integer input would be float0), so the layer callbacks run in order.
@@ -521,9 +525,11 @@ class _Step:
       spec = spec_for(rows)
       block = None
       if on_nvme:
+        parts, token = parts[:-1], _from_f32(parts[-1])
+      parts = tuple(_from_carrier(p, self.per_leaf[i]) for p, i in zip(parts, stack_leaves))
+      if on_nvme:
         # The block's NVMe rows arrive by one callback and leave by one; the streamed update
         # hands them to its groups as `update_and_apply` hands it a group's NVMe arrays.
-        parts, token = parts[:-1], _from_f32(parts[-1])
         fetched, token = self.layers.fetch(s, token, start, rows)
         pos = {i: p for p, i in enumerate(stack_leaves)}
         block = _BlockRows(spec, {(pos[i], j): x for (i, j), x in fetched.items()}, token)
@@ -563,6 +569,7 @@ class _Step:
         for part, new_view, leaf_tiers in zip(parts, new_views, tiers)
       )
       stack = tuple(fused_scan._put(buf, start, x) for buf, x in zip(stack, new_w))
+      parts = tuple(_to_carrier(p) for p in parts)
       if on_nvme:
         new_rows = {(stack_leaves[p], j): x for (p, j), x in block.rows().items()}
         token = self.layers.put(s, token, start, new_rows)
@@ -716,6 +723,42 @@ class _BlockRows:
       else pieces[0][1]
       for key, pieces in self.new.items()
     }
+
+
+_CARRIERS = {1: jnp.float8_e4m3fn, 2: jnp.bfloat16, 4: jnp.float32}
+"""The float dtype that carries an integer state array of each width through the backward pass."""
+
+
+def _carrier(dtype) -> Any:
+  """The dtype in which a state array of `dtype` rides through the backward pass as a
+  "cotangent" (its new value): itself for a float, else a float of the same width (None: none).
+
+  The "cotangent" of an integer input would be float0, so integer state (`compress`'s 8-bit codes)
+  travels bit-cast to a float: nothing in the backward adds or scales it (one use, no other
+  cotangent joins it), so every bit pattern, NaNs and -0 included, comes back unchanged (tested
+  with codes taking all 256 values); XLA turns a same-width bit-cast into a free bitcast, on host
+  memory too (checked in an XLA:GPU compile).
+  """
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return dtype
+  if jnp.issubdtype(dtype, jnp.integer):
+    return _CARRIERS.get(dtype.itemsize)
+  return None
+
+
+def _to_carrier(tree):
+  return jax.tree.map(
+    lambda x: x if _carrier(x.dtype) == x.dtype else lax.bitcast_convert_type(x, _carrier(x.dtype)),
+    tree,
+  )
+
+
+def _from_carrier(tree, like):
+  """`tree` (carried) in the dtypes of `like` again."""
+  return jax.tree.map(
+    lambda x, a: x if x.dtype == a.dtype else lax.bitcast_convert_type(x, a.dtype), tree, like
+  )
 
 
 def _to_f32(token):
