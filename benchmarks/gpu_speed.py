@@ -340,6 +340,11 @@ def nvme_disk_io(hlo: str) -> tuple[dict[str, tuple[float, float]], dict[str, in
       )
       if not scope:
         continue
+      if len(scope) > 1:
+        raise ValueError(
+          f"callback {instr.name} carries the scopes {scope}: a disk callback must carry one of "
+          f"{sorted(NVME_SCOPES)} (nvme_tier/layers.py, callbacks.py), to be read or written"
+        )
       (scope,) = scope
       if NVME_SCOPES[scope] == "read":
         arrays = gpu_program._arrays(instr.shape)
