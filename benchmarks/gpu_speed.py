@@ -21,10 +21,12 @@ fp32 master copy for the others):
   the one-host-budget plan (`oo.estimate(..., host_memory=--host-memory, update_in_backward=True)`):
   what the stack's weights and the NVMe tier's staging buffers leave of ``--host-memory`` holds
   state in pinned host memory, the rest is on NVMe (``offload(host_limit=..., nvme_dir=...)``),
-  fetched and put by the tier's callbacks once per block of layers of the backward pass. One
-  micro-batch per step (the accumulators of a stack in host memory do not fit beside its weights
-  in 48 GiB: `plan` says so), compiled at the model's full depth (the plan places whole leaves, so
-  a shallower model's placement is not the same), ``--moment-dtype bf16`` for bf16 moments.
+  fetched and put by the tier's callbacks once per block of layers of the last micro-batch's
+  backward pass. One micro-batch per step unless ``--accumulate K`` (K micro-batches, the stack's
+  gradients accumulated in host memory in ``--accumulator-dtype``, planned with them: at 48 GiB
+  they do not fit beside the stack's weights, and `plan` says so), compiled at the model's full
+  depth with the micro-batch loop's real trip count (the plan places whole leaves, so a shallower
+  model's placement is not the same), ``--moment-dtype bf16`` for bf16 moments.
 
 How a row is obtained (all modelled): each variant is compiled for the target at two depths of
 the model's width (`--depths`, default 4 and 6 layers) with a micro-batch loop of `ACCUMULATE`
@@ -48,6 +50,8 @@ run no further ahead than the buffers allow.
     python benchmarks/gpu_speed.py --models 13B --targets rtx4090_24gb --variants fused_all
     python benchmarks/gpu_speed.py --models 13B --targets rtx4090_24gb --variants fused_nvme \
         --host-memory 48GiB --micro-batch 7 [--moment-dtype bf16 --project-int8]
+    python benchmarks/gpu_speed.py --models 13B --targets rtx4090_24gb --variants fused_nvme \
+        --host-memory 58GiB --micro-batch 3 --accumulate 40 --accumulator-dtype bf16
 """
 
 from __future__ import annotations
@@ -119,9 +123,10 @@ def offloaded_adamw(window: int):
   return oo.offload(optax.adamw(1e-4), master_dtype=jnp.float32, window_bytes=window)
 
 
-def variant_step(cfg: llama.Config, variant: str, tx, k: int):
+def variant_step(cfg: llama.Config, variant: str, tx, k: int, acc_dtype=jnp.float32):
   """The training step of `variant` over k micro-batches: ``step(params, state, tokens)`` with
-  tokens of shape (k, micro_batch, seq + 1), returning (params, state, loss)."""
+  tokens of shape (k, micro_batch, seq + 1), returning (params, state, loss); a fused step
+  accumulates in `acc_dtype`."""
   streamed = variant in ("offload_all", "fused_all", "fused_state", "fused_nvme")
 
   def loss(p, t):
@@ -131,7 +136,8 @@ def variant_step(cfg: llama.Config, variant: str, tx, k: int):
 
     def step(params, state, tokens):
       batch = tokens if k > 1 else tokens[0]  # accumulate=1 takes one micro-batch
-      value, params, state = oo.value_and_update(loss, tx, accumulate=k)(params, state, batch)
+      fused = oo.value_and_update(loss, tx, accumulate=k, accumulator_dtype=acc_dtype)
+      value, params, state = fused(params, state, batch)
       return params, state, value
 
     return step
@@ -173,9 +179,19 @@ def variant_step(cfg: llama.Config, variant: str, tx, k: int):
   return step
 
 
-def compile_variant(cfg, variant: str, target: str, micro_batch: int, k: int, window: int, tx=None):
+def compile_variant(
+  cfg,
+  variant: str,
+  target: str,
+  micro_batch: int,
+  k: int,
+  window: int,
+  tx=None,
+  acc_dtype=jnp.float32,
+):
   """The training step of `variant` for k micro-batches of `micro_batch` sequences, compiled
-  (`tx`: the offloaded optimizer, default `offloaded_adamw`)."""
+  (`tx`: the offloaded optimizer, default `offloaded_adamw`; `acc_dtype`: a fused step's
+  accumulators)."""
   tokens = jax.ShapeDtypeStruct((k, micro_batch, SEQ + 1), jnp.int32, sharding=llama.DEVICE)
   params = _params(cfg, variant)
   options = oo.STREAM_XLA_OPTIONS if variant != "plain_bf16" else None
@@ -187,7 +203,7 @@ def compile_variant(cfg, variant: str, target: str, micro_batch: int, k: int, wi
   else:
     tx = offloaded_adamw(window)
     state = oo.abstract_state(tx, params)
-  step = variant_step(cfg, variant, tx, k)
+  step = variant_step(cfg, variant, tx, k, acc_dtype)
   # The micro-batch loop whose trip count `rows_for` rewrites (None: no such loop).
   if variant.startswith("fused"):
     trip = k - 2 if k > 2 else None
@@ -256,10 +272,10 @@ NVME_SCOPES = {
 fetch's results are the NVMe arrays it read, a put's operands those it writes."""
 
 
-def nvme_tx(cfg, target: str, args, window: int, options=None):
+def nvme_tx(cfg, target: str, args, window: int, options=None, accumulate: int = 1):
   """(`nvme_plan`, the offloaded AdamW it places: fp32 master, the state beyond the plan's host
   bytes in ``args.nvme_dir``)."""
-  e = nvme_plan(cfg, target, args, window)
+  e = nvme_plan(cfg, target, args, window, accumulate)
   moments = {} if args.moment_dtype == "fp32" else {"moment_dtype": args.moment_dtype}
   tx = oo.offload(
     optax.adamw(1e-4),
@@ -273,8 +289,9 @@ def nvme_tx(cfg, target: str, args, window: int, options=None):
   return e, tx
 
 
-def nvme_plan(cfg, target: str, args, window: int) -> oo.Estimate:
-  """The one-host-budget plan of the model (its shapes) for `--host-memory` on `target`."""
+def nvme_plan(cfg, target: str, args, window: int, accumulate: int = 1) -> oo.Estimate:
+  """The one-host-budget plan of the model (its shapes) for `--host-memory` on `target`, with
+  `accumulate` micro-batches a step (accumulators in ``args.accumulator_dtype``)."""
   if args.host_memory is None:
     raise ValueError("fused_nvme needs --host-memory (e.g. 48GiB): the plan places the state by it")
   return oo.estimate(
@@ -287,6 +304,8 @@ def nvme_plan(cfg, target: str, args, window: int) -> oo.Estimate:
     host_memory=args.host_memory,
     nvme_dir=args.nvme_dir,
     update_in_backward=True,
+    accumulate=accumulate,
+    accumulator_dtype=getattr(args, "accumulator_dtype", "fp32"),
   )
 
 
@@ -321,6 +340,11 @@ def nvme_disk_io(hlo: str) -> tuple[dict[str, tuple[float, float]], dict[str, in
       )
       if not scope:
         continue
+      if len(scope) > 1:
+        raise ValueError(
+          f"callback {instr.name} carries the scopes {scope}: a disk callback must carry one of "
+          f"{sorted(NVME_SCOPES)} (nvme_tier/layers.py, callbacks.py), to be read or written"
+        )
       (scope,) = scope
       if NVME_SCOPES[scope] == "read":
         arrays = gpu_program._arrays(instr.shape)
@@ -333,8 +357,16 @@ def nvme_disk_io(hlo: str) -> tuple[dict[str, tuple[float, float]], dict[str, in
 
 
 def rows_for_nvme(name: str, target: str, args) -> list[dict]:
-  """The `fused_nvme` row: the full-depth program with the plan's NVMe placement, its disk
-  charged by the timeline within the store's read-ahead and write-behind buffers."""
+  """The `fused_nvme` rows, one per ``--accumulate`` value (default 1)."""
+  ks = sorted({int(k) for k in (args.accumulate or "1").split(",")})
+  return [row for k in ks for row in _nvme_rows(name, target, args, k)]
+
+
+def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
+  """The `fused_nvme` row of k micro-batches a step: the full-depth program with the plan's NVMe
+  placement (and with k > 1 its accumulators in host memory), its disk charged by the timeline
+  within the store's read-ahead and write-behind buffers. The micro-batch loop runs its real trip
+  count (k - 2: the first and last micro-batches are outside it)."""
   cfg = dataclasses.replace(llama.CONFIGS[name], attention=args.attention, remat=args.remat)
   hw = oo.hardware(target, args.host)
   window = int(args.window_fraction * MEMORY[target])
@@ -343,8 +375,11 @@ def rows_for_nvme(name: str, target: str, args) -> list[dict]:
     atexit.register(shutil.rmtree, nvme_dir, ignore_errors=True)
   args = argparse.Namespace(**{**vars(args), "nvme_dir": nvme_dir})
   options = oo.NvmeOptions(prefetch_depth=args.prefetch_depth, write_depth=args.write_depth)
-  e, tx = nvme_tx(cfg, target, args, window, options)
-  c = compile_variant(cfg, "fused_nvme", target, args.micro_batch, 1, window, tx=tx)
+  acc_dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.accumulator_dtype]
+  e, tx = nvme_tx(cfg, target, args, window, options, accumulate=k)
+  c = compile_variant(
+    cfg, "fused_nvme", target, args.micro_batch, k, window, tx=tx, acc_dtype=acc_dtype
+  )
   disk, runs = nvme_disk_io(c.hlo)
   group = nvme_group_bytes(e)
   read_ahead, write_behind = options.prefetch_depth * group, options.write_depth * group
@@ -363,7 +398,7 @@ def rows_for_nvme(name: str, target: str, args) -> list[dict]:
   # ahead and one written behind), plus the groups a deeper prefetch or write-behind holds.
   host = e.host_total_bytes + (options.prefetch_depth + options.write_depth - 2) * group
   schedule = gpu_program.parse_schedule(c.hlo)
-  tokens = args.micro_batch * SEQ
+  tokens = args.micro_batch * SEQ * k
   fits = c.device_bytes <= USABLE * MEMORY[target] and host <= args.host_memory
   row = {
     "model": name,
@@ -373,8 +408,10 @@ def rows_for_nvme(name: str, target: str, args) -> list[dict]:
     "variant": "fused_nvme",
     "moment_dtype": args.moment_dtype,
     "tokens_per_step": tokens,
-    "micro_batch": tokens,
-    "accumulation": 1,
+    "micro_batch": args.micro_batch * SEQ,
+    "accumulation": k,
+    "accumulator_dtype": args.accumulator_dtype if k > 1 else None,
+    "accumulator_bytes": e.accumulator_bytes,
     "fits": bool(fits),
     "device_bytes": c.device_bytes,
     "host_bytes": host,
@@ -470,13 +507,18 @@ def _print_nvme_row(row, args) -> None:
   )
 
 
+DEFAULT_ACCUMULATE = "8,64"
+"""Micro-batches per step of every variant but ``fused_nvme`` (1) and ``offload_all`` (1)."""
+
+
 def rows_for(name: str, variant: str, target: str, args) -> list[dict]:
   if variant == "fused_nvme":
     return rows_for_nvme(name, target, args)
   cfg = dataclasses.replace(llama.CONFIGS[name], attention=args.attention, remat=args.remat)
   hw = oo.hardware(target, args.host)
   window = int(args.window_fraction * MEMORY[target])
-  ks = [1] if variant == "offload_all" else sorted({int(k) for k in args.accumulate.split(",")})
+  given = args.accumulate or DEFAULT_ACCUMULATE
+  ks = [1] if variant == "offload_all" else sorted({int(k) for k in given.split(",")})
   depths = [cfg.layers] if args.full_depth else [int(d) for d in args.depths.split(",")]
   k_compiled = 1 if ks == [1] else ACCUMULATE
   per_depth = []
@@ -595,7 +637,17 @@ def main(argv=None) -> list[dict]:
   parser.add_argument(
     "--micro-batch", type=int, default=4, help="sequences of 2048 per micro-batch"
   )
-  parser.add_argument("--accumulate", default="8,64", help="micro-batches per step")
+  parser.add_argument(
+    "--accumulate",
+    default=None,
+    help="micro-batches per step, e.g. 8,64 (default 8,64; fused_nvme: 1)",
+  )
+  parser.add_argument(
+    "--accumulator-dtype",
+    default="fp32",
+    choices=("fp32", "bf16"),
+    help="fused_nvme with --accumulate above 1: the stack's accumulators in host memory",
+  )
   parser.add_argument("--depths", default="4,6", help="compiled depths (layers), extrapolated")
   parser.add_argument("--full-depth", action="store_true", help="compile the model's real depth")
   parser.add_argument("--window-fraction", type=float, default=0.1, help="offload window / card")

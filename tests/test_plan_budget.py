@@ -167,6 +167,30 @@ def test_accumulators_count_against_the_host_budget(capsys):
   assert d["link_bytes"] == 2 * 156_000_000_000 + 17 * 26_000_000_000 + 14 * 52_000_000_000
 
 
+def test_bf16_accumulators_take_half_the_bytes(capsys):
+  # bf16 accumulators, 2 B x 13e9 = 26e9 B: beside the weights (26e9 B) they still exceed 48 GiB
+  # (51.54e9 B) with the NVMe buffers, and the shortfall names them.
+  bf16 = ["--accumulate", "8", "--accumulator-dtype", "bf16"]
+  d = _json([*GOAL, "--nvme-size", "2TB", *bf16], capsys, status=1)
+  assert d["accumulator_bytes"] == 26_000_000_000 and d["accumulator_dtype"] == "bf16"
+  assert "gradient accumulators" in d["shortfalls"][0]["advice"]
+  # 64 GiB holds them: weights + accumulators + state + buffers fill it; on the device 3 layers of
+  # bf16 accumulator rows (325e6 params a layer) beside 7 + 4 layers and the window.
+  d = _json([*GOAL[:13], "64GiB", "--nvme-size", "2TB", *bf16], capsys)
+  assert d["fits"] and 64 * GiB - 8192 < d["host_total_bytes"] <= 64 * GiB
+  assert d["host_total_bytes"] == (
+    26_000_000_000 + 26_000_000_000 + d["host_bytes"] + d["nvme_buffer_bytes"]
+  )
+  assert d["bytes_per_tier"]["device"] == 11 * 650_000_000 + 3 * 2 * 325_000_000 + HAND_WINDOW
+
+
+def test_integer_accumulators_are_refused():
+  with pytest.raises(ValueError, match="accumulator_dtype must be a floating dtype"):
+    oo.estimate(
+      13e9, param_dtype="bf16", weights_on="host", layers=40, accumulate=2, accumulator_dtype="int8"
+    )
+
+
 def test_the_pinned_pool_setting_is_named(monkeypatch, capsys):
   # 7B bf16 with an fp32 master copy: 12 B x 7e9 = 84e9 B of state, all in host memory, more
   # than JAX's 64 GiB pool, so the plan names the setting: ceil(84e9 / 2**30) = 79.

@@ -129,8 +129,15 @@ def _parser() -> argparse.ArgumentParser:
     type=int,
     default=1,
     metavar="K",
-    help="micro-batches per optimizer step with --update-in-backward (fp32 accumulators in host "
-    "memory, 4 B per stack parameter); default 1",
+    help="micro-batches per optimizer step with --update-in-backward (gradient accumulators in "
+    "host memory, --accumulator-dtype); default 1",
+  )
+  opt(
+    "--accumulator-dtype",
+    default="fp32",
+    choices=("fp32", "bf16"),
+    help="dtype of the gradient accumulators (value_and_update's accumulator_dtype): fp32 "
+    "(default, 4 B per stack parameter, as optax.MultiSteps) or bf16 (2 B)",
   )
   opt(
     "--nvme-dir",
@@ -269,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       host_memory=args.host_memory,
       update_in_backward={"auto": None, "yes": True, "no": False}[args.update_in_backward],
       accumulate=args.accumulate,
+      accumulator_dtype=args.accumulator_dtype,
       memory_fraction=(
         None if args.device_memory is None else host_budget.memory_fraction_from_env()
       ),

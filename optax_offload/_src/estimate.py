@@ -122,7 +122,8 @@ class Estimate:
       (`value_and_update`): its gradients never exist whole.
     update_in_backward_reason: why the planner chose (or was told) so.
     accumulate: micro-batches per optimizer step (`value_and_update`'s ``accumulate``).
-    accumulator_bytes: the stack's gradient accumulators in pinned host memory (fp32).
+    accumulator_bytes: the stack's gradient accumulators in pinned host memory.
+    accumulator_dtype: their dtype (`value_and_update`'s ``accumulator_dtype``).
     leaves: per-leaf infos when shapes were given, else None.
     plan: `make_plan`'s plan when shapes were given, else None.
   """
@@ -160,6 +161,7 @@ class Estimate:
   update_in_backward_reason: str | None = None
   accumulate: int = 1
   accumulator_bytes: int = 0
+  accumulator_dtype: str = "fp32"
   leaves: tuple[plan_lib.LeafInfo, ...] | None = dataclasses.field(default=None, repr=False)
   plan: plan_lib.Plan | None = dataclasses.field(default=None, repr=False)
 
@@ -383,6 +385,7 @@ def estimate(
   host_memory: int | str | None = None,
   update_in_backward: bool | None = None,
   accumulate: int = 1,
+  accumulator_dtype: Any = "fp32",
   memory_fraction: float | None = None,
   nvme_dir: str | os.PathLike | None = None,
   nvme_size: int | str | None = None,
@@ -450,8 +453,10 @@ def estimate(
       backward pass (`value_and_update`: no whole gradients, the window beside the streamed
       layers); None decides: yes when the stack's weights and gradients exceed `host_memory` or
       when ``accumulate > 1``.
-    accumulate: micro-batches per optimizer step with the update in the backward pass: fp32
-      gradient accumulators for the stack in host memory (4 B per parameter).
+    accumulate: micro-batches per optimizer step with the update in the backward pass: gradient
+      accumulators for the stack in host memory.
+    accumulator_dtype: their dtype (`value_and_update`'s ``accumulator_dtype``): ``"fp32"`` (4 B
+      per parameter, as ``optax.MultiSteps``) or ``"bf16"`` (2 B).
     memory_fraction: the share of `device_memory` JAX may take, when `device_memory` is the card's
       memory (the command passes ``XLA_PYTHON_CLIENT_MEM_FRACTION`` or JAX's 0.75); None:
       `device_memory` is what JAX may take.
@@ -593,12 +598,17 @@ def estimate(
       "(value_and_update's host-memory accumulators: --weights-on host --layers N, without "
       "--update-in-backward no), or plan one micro-batch per step."
     )
-  accumulators = host_budget.accumulator_bytes(stack, fused, accumulate)
+  acc_dtype = parse_dtype(accumulator_dtype, "accumulator_dtype")
+  if not jnp.issubdtype(acc_dtype, jnp.floating):
+    raise ValueError(f"accumulator_dtype must be a floating dtype, got {acc_dtype}.")
+  accumulators = host_budget.accumulator_bytes(stack, fused, accumulate, acc_dtype.itemsize)
 
   def build(state_limit):
     e = base(dict(common, host_limit=state_limit))
     if stack:
-      e = host_budget.with_weights_on_host(e, stack, fused, accumulate, accumulators)
+      e = host_budget.with_weights_on_host(
+        e, stack, fused, accumulate, accumulators, acc_dtype.itemsize
+      )
     return e
 
   if host_memory is None:
@@ -615,6 +625,7 @@ def estimate(
     update_in_backward_reason=why,
     accumulate=accumulate,
     accumulator_bytes=accumulators,
+    accumulator_dtype=dtype_name(acc_dtype),
   )
 
 

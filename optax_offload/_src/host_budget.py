@@ -51,9 +51,6 @@ class Placement:
 DEFAULT_MEMORY_FRACTION = 0.75
 """The share of a GPU's memory JAX takes unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise."""
 
-ACCUMULATOR_ITEMSIZE = 4
-"""Bytes per parameter of `value_and_update`'s gradient accumulators (``accumulator_dtype`` float32,
-as ``optax.MultiSteps``), in host memory for a stack."""
 
 
 def memory_fraction_from_env() -> float:
@@ -177,7 +174,7 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
       )
     if e.accumulator_bytes:
       add(
-        "gradient accumulators (fp32)",
+        f"gradient accumulators ({e.accumulator_dtype})",
         "host",
         e.accumulator_bytes,
         f"read and written by each of the {e.accumulate} micro-batches' backward passes",
@@ -282,6 +279,7 @@ def with_weights_on_host(
   fused: bool = False,
   accumulate: int = 1,
   accumulators: int = 0,
+  accumulator_itemsize: int = 4,
 ) -> Estimate:
   """`e` with the weights of `stack` ((bytes, layers, params) per leaf) in pinned host memory.
 
@@ -312,10 +310,10 @@ def with_weights_on_host(
     buffers = fused_nvme_held(e, stack) + 2 * group
   if fused:
     layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
-    if accumulators:  # fp32 rows of the accumulators come in with their layers' weights
+    if accumulators:  # rows of the accumulators come in with their layers' weights
       per_layer_params = sum(-(-size // n) for _, n, size in stack)
       stack_layer_bytes = (
-        plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE * per_layer_params * ACCUMULATOR_ITEMSIZE
+        plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE * per_layer_params * accumulator_itemsize
       )
     host_weights = weights
     link = e.link_bytes + (2 * accumulate + 1) * weights + 2 * (accumulate - 1) * accumulators
@@ -360,11 +358,13 @@ def fused_nvme_held(e: Estimate, stack: list[tuple[int, int, int]]) -> int:
   )
 
 
-def accumulator_bytes(stack: list[tuple[int, int, int]], fused: bool, accumulate: int) -> int:
-  """Bytes of the stack's fp32 gradient accumulators in host memory: only with the update in the
-  backward pass and more than one micro-batch per step."""
+def accumulator_bytes(
+  stack: list[tuple[int, int, int]], fused: bool, accumulate: int, itemsize: int
+) -> int:
+  """Bytes of the stack's gradient accumulators (`itemsize` bytes each) in host memory: only with
+  the update in the backward pass and more than one micro-batch per step."""
   stack_params = sum(size for _, _, size in stack)
-  return ACCUMULATOR_ITEMSIZE * stack_params if fused and accumulate > 1 else 0
+  return itemsize * stack_params if fused and accumulate > 1 else 0
 
 
 def fit_host_memory(

@@ -81,7 +81,7 @@ def _tiers(e: Estimate) -> list[str]:
       f"stack layers {fmt(e.stack_layer_bytes)} ({plan_lib.FUSED_WEIGHT_LAYERS_ON_DEVICE} of weights, "
       f"{plan_lib.FUSED_GRAD_LAYERS_ON_DEVICE} of grads"
       + (
-        f", {plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE} of fp32 accumulators)"
+        f", {plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE} of {e.accumulator_dtype} accumulators)"
         if e.accumulator_bytes
         else ")"
       ),
