@@ -12,7 +12,7 @@ from conftest import update_step
 from helpers import gpu_compile_or_skip
 
 import optax_offload as oo
-from optax_offload._src import stream
+from optax_offload._src import stream_spec
 
 LAYERS = 13  # slices of one or two layers after "head"'s group, an odd remainder for sgd
 
@@ -22,7 +22,7 @@ def _train(
 ):
   """Three jitted steps on `stacks` alike stacked leaves in one-layer row slices (and a small
   leaf), with the loop (or, `loop` False, every group unrolled): one loop for all the stacks."""
-  monkeypatch.setattr(stream, "LOOP_MIN_GROUPS", 6 if loop else 10**9)
+  monkeypatch.setattr(stream_spec, "LOOP_MIN_GROUPS", 6 if loop else 10**9)
   rng = np.random.default_rng(0)
   params = {
     "head": jnp.asarray(rng.normal(size=(64, 32)) * 0.1, dtype),
@@ -38,14 +38,14 @@ def _train(
   p = {k: v if k == "head" else place(v) for k, v in params.items()}
   state = tx.init(p)
   runs = []
-  loop_plan = stream.loop_plan
+  loop_plan = stream_spec.loop_plan
 
   def recorded(*args):
     order, loops = loop_plan(*args)
     runs.append(loops)
     return order, loops
 
-  monkeypatch.setattr(stream, "loop_plan", recorded)
+  monkeypatch.setattr(stream_spec, "loop_plan", recorded)
 
   step = jax.jit(update_step(tx, apply), donate_argnums=(0, 1))
   for t in range(3):

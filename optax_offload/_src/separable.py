@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from optax_offload._src import stream
+from optax_offload._src import stream_spec
 from optax_offload._src.layout import StateLayout
 from optax_offload._src.plan import Piece
 from optax_offload._src.plan import Tier
@@ -59,12 +60,12 @@ def run_grouped(
   return updates, layout.merge(new_shared, new_per_leaf)
 
 
-def _device_spec(units, per_leaf, dims=None, chunks=None) -> stream.StreamSpec:
+def _device_spec(units, per_leaf, dims=None, chunks=None) -> stream_spec.StreamSpec:
   """A spec with every array on the device (no moves), one chunk per piece unless given."""
   tiers = tuple((Tier.DEVICE,) * len(jax.tree.leaves(part)) for part in per_leaf)
   dims = dims or tuple((0,) * len(t) for t in tiers)
   chunks = chunks or tuple(((0, 1),) * len(u) for u in units)
-  return stream.StreamSpec(units, tiers, dims, chunks)
+  return stream_spec.StreamSpec(units, tiers, dims, chunks)
 
 
 _PROBE_CAP = 256
@@ -201,7 +202,7 @@ class _Probe:
   layout: StateLayout
   params: tuple[np.ndarray, ...]
   grads: list[tuple[np.ndarray, ...]]
-  spec: stream.StreamSpec
+  spec: stream_spec.StreamSpec
   ok: list[bool]  # the state shares the split axes with the param as the key says
 
   @classmethod

@@ -2,7 +2,7 @@
 and the state's placement.
 
 `make_setup` takes the tree's plan (`tree_plan.plan_tree`: the derivation `estimate` runs too) and
-adds what only a real run needs: the chunks of each group's update and the `stream.StreamSpec`
+adds what only a real run needs: the chunks of each group's update and the `stream_spec.StreamSpec`
 the update runs, and the `NvmeTier` (its store opened) when state goes to disk. It logs the plan
 and warns about what a run would regret (many groups, a GPU's pinned pool too small).
 `state_shardings` says where each array of the state lives.
@@ -25,14 +25,14 @@ from optax_offload._src import nvme
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
-from optax_offload._src import stream
+from optax_offload._src import stream_spec
 from optax_offload._src import tree_plan
 from optax_offload._src.units import format_bytes
 
 logger = logging.getLogger("optax_offload._src.offload")  # the plan is logged as offload's
 
 MANY_GROUPS = 96
-"""Above this many unrolled groups (`stream.unrolled_groups`: equal row slices of one leaf run in
+"""Above this many unrolled groups (`stream_spec.unrolled_groups`: equal row slices of one leaf run in
 a loop and do not count) `make_setup` warns about XLA:GPU compile time."""
 
 
@@ -41,7 +41,7 @@ class Setup(tree_plan.TreePlan):
   """A tree's plan (`tree_plan.TreePlan`) with the resources of a run: the update's stream spec
   and the NVMe tier (None without state on disk)."""
 
-  spec: stream.StreamSpec
+  spec: stream_spec.StreamSpec
   nvme: nvme_tier.NvmeTier | None
 
   @functools.cached_property
@@ -162,7 +162,7 @@ def make_setup(
   # Column chunks need the update to split along axis 1 too (and that axis unsharded).
   cols = separable.splittable(inner, avals, tp.parts, tp.dims, min_size, axis=1)
   cols = [n if tree_plan.unsharded_axes(s) >= 2 else 0 for n, s in zip(cols, shardings)]
-  spec = stream.StreamSpec(
+  spec = stream_spec.StreamSpec(
     the_plan.units,
     array_tiers,
     tp.dims,
@@ -182,7 +182,7 @@ def make_setup(
       nvme_options,
     )
   logger.info("offload plan:\n%s", plan_lib.describe_plan(the_plan, leaves))
-  unrolled = stream.unrolled_groups(spec)
+  unrolled = stream_spec.unrolled_groups(spec)
   if unrolled > MANY_GROUPS:
     logger.warning(
       "offload: %d of %d groups unrolled in the update (equal row slices of one leaf run in a "
