@@ -26,7 +26,8 @@ fp32 master copy for the others):
   gradients accumulated in host memory in ``--accumulator-dtype``, planned with them: at 48 GiB
   they do not fit beside the stack's weights, and `plan` says so), compiled at the model's full
   depth with the micro-batch loop's real trip count (the plan places whole leaves, so a shallower
-  model's placement is not the same), ``--moment-dtype bf16`` for bf16 moments.
+  model's placement is not the same), ``--moment-dtype bf16`` (or ``int8``) for bf16 (8-bit)
+  moments.
 
 How a row is obtained (all modelled): each variant is compiled for the target at two depths of
 the model's width (`--depths`, default 4 and 6 layers) with a micro-batch loop of `ACCUMULATE`
@@ -49,7 +50,7 @@ run no further ahead than the buffers allow.
     python benchmarks/gpu_speed.py --json bench_out/gpu_speed.jsonl      # the default rows
     python benchmarks/gpu_speed.py --models 13B --targets rtx4090_24gb --variants fused_all
     python benchmarks/gpu_speed.py --models 13B --targets rtx4090_24gb --variants fused_nvme \
-        --host-memory 48GiB --micro-batch 7 [--moment-dtype bf16 --project-int8]
+        --host-memory 48GiB --micro-batch 7 [--moment-dtype bf16|int8]
     python benchmarks/gpu_speed.py --models 13B --targets rtx4090_24gb --variants fused_nvme \
         --host-memory 58GiB --micro-batch 3 --accumulate 40 --accumulator-dtype bf16
 """
@@ -77,7 +78,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import optax_offload as oo  # noqa: E402
 from benchmarks import llama  # noqa: E402
 from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
-from optax_offload._src import compress  # noqa: E402
 from optax_offload._src import gpu_program  # noqa: E402
 from optax_offload._src import hlo_cost  # noqa: E402
 from optax_offload._src.nvme_tier import callbacks as nvme_callbacks  # noqa: E402
@@ -448,48 +448,7 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
   }
   assert t.step_s >= t.compute_s * (1 - 1e-9) and row["mfu"] <= 1.0, row
   _print_nvme_row(row, args)
-  rows = [row]
-  if args.project_int8:
-    rows.append(_int8_projection(row, c.hlo, disk, hw, e, group, options, args))
-  return rows
-
-
-INT8_BLOCK = compress.BLOCK
-"""Elements per fp32 scale of the projected 8-bit moments: `moment_dtype="int8"`'s block."""
-
-
-def _int8_projection(row, hlo, disk, hw, e, group, options, args) -> dict:
-  """A projection, not a compiled program: the bf16-moment program re-timed with each NVMe
-  callback's disk bytes scaled to 8-bit block-quantized moments (1 byte per moment element and
-  one fp32 scale per `INT8_BLOCK`, beside the fp32 master): the same placement, device and link
-  bytes as bf16's (an int8 program would move fewer bytes over the link too)."""
-  if args.moment_dtype != "bf16":
-    raise ValueError("--project-int8 re-times the bf16-moment program: give --moment-dtype bf16")
-  scale = (4 + 2 * (1 + 4 / INT8_BLOCK)) / (4 + 2 * 2)
-  scaled = {k: (r * scale, w * scale) for k, (r, w) in disk.items()}
-  t = oo.timeline(
-    hlo,
-    hw,
-    disk=scaled,
-    read_ahead_bytes=options.prefetch_depth * group * scale,
-    write_behind_bytes=options.write_depth * group * scale,
-  )
-  tokens = row["tokens_per_step"]
-  out = dict(
-    row, moment_dtype="int8 (projected)", projected=True, nvme_bytes=int(e.nvme_bytes * scale)
-  )
-  out.update(
-    step_s=t.step_s,
-    disk_s=t.disk_s,
-    disk_wait_s=t.disk_wait_s,
-    tokens_per_s=tokens / t.step_s,
-    model_tflops=6 * row["params"] * tokens / t.step_s / 1e12,
-    mfu=6 * row["params"] * tokens / t.step_s / hw.tensor_flops,
-    step_over_compute=t.step_s / t.compute_s,
-    bottleneck=t.bottleneck,
-  )
-  _print_nvme_row(out, args)
-  return out
+  return [row]
 
 
 def _print_nvme_row(row, args) -> None:
@@ -665,11 +624,6 @@ def main(argv=None) -> list[dict]:
     "--disk-unbounded",
     action="store_true",
     help="fused_nvme what-if: no bound on the disk's read-ahead and write-behind (no store has it)",
-  )
-  parser.add_argument(
-    "--project-int8",
-    action="store_true",
-    help="fused_nvme with --moment-dtype bf16: add a row re-timed for 8-bit moments (projected)",
   )
   parser.add_argument("--json", default=None, help="write one JSON object per row here")
   args = parser.parse_args(argv)

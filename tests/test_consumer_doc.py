@@ -16,8 +16,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "consumer.md"
 TWO_TB = 2_000_000_000_000  # the page's drive: 2 TB, empty
 WINDOW_FIGURES = ("1.05 GiB", "2.37 GiB", "1.80 GiB")  # test_the_window_the_page_asks_for
-SPEED_PAGE_FIGURES = ("18.6 GiB", "18.7 GiB", "18.2 GiB")  # test_the_speed_page_figures_it_cites
-NVME_PLAN_FIGURES = ("141.80 GiB", "38.84 GiB", "86.72 GiB", "40.98 GiB")  # test_the_nvme_plan_...
+SPEED_PAGE_FIGURES = (
+  "18.6 GiB",
+  "18.7 GiB",
+  "18.2 GiB",
+  "17.8 GiB",
+)  # test_the_speed_page_figures_it_cites
+NVME_PLAN_FIGURES = (
+  "141.80 GiB",
+  "38.84 GiB",
+  "86.72 GiB",
+  "40.98 GiB",
+  "59.49 GiB",
+  "43.96 GiB",
+)  # test_the_nvme_plan_...
 # The --host-memory of speed.md's accumulation rows (modelled once, by the commands there).
 ACCUMULATION_FIGURES = ("58 GiB", "59 GiB")
 _PAIR = re.compile(r"```sh\n(python -m optax_offload plan .*?)```\n\n```text\n(.*?)```", re.S)
@@ -88,13 +100,18 @@ NVME_ROWS = (  # speed.md's fused_nvme rows that this page's table cites (modell
   "| **8.1** | 18.7 GiB | 38.84 GiB | 141.80 GiB | yes |",
   "| `fused_nvme`, bf16 moments, 7 x 2,048 | 14,336 | 89.5 s | 10.6 s | 74.6 s | 68.7 s | 160 "
   "| **12.5** | 18.2 GiB | 40.98 GiB | 86.72 GiB | yes |",
+  "| `fused_nvme`, 8-bit moments, 7 x 2,048 | 14,336 | 70.4 s | 12.2 s | 51.1 s | 50.6 s | 204 "
+  "| **15.9** | 17.8 GiB | 43.96 GiB | 59.49 GiB | yes |",
 )
+MOMENTS = {"fp32": "fp32 moments", "bf16": "bf16 moments", "int8": "8-bit moments"}
 
 
 def test_the_nvme_rows_it_cites():
   speed = (ROOT / "docs" / "speed.md").read_text()
   page = PAGE.read_text()
-  for row, moments in zip(NVME_ROWS, ("fp32 moments (exact AdamW)", "bf16 moments")):
+  for row, moments in zip(
+    NVME_ROWS, ("fp32 moments (exact AdamW)", "bf16 moments", "8-bit moments")
+  ):
     assert row in speed
     cells = [c.strip(" *") for c in row.strip("|").split("|")]
     tokens, step, _, disk, _, _, tflops, device, host, nvme, _ = cells[1:]
@@ -104,7 +121,11 @@ def test_the_nvme_rows_it_cites():
 
 @pytest.mark.parametrize(
   "moments, nvme, host, disk_s",
-  [("fp32", "141.80 GiB", "38.84 GiB", "121.9 s"), ("bf16", "86.72 GiB", "40.98 GiB", "74.6 s")],
+  [
+    ("fp32", "141.80 GiB", "38.84 GiB", "121.9 s"),
+    ("bf16", "86.72 GiB", "40.98 GiB", "74.6 s"),
+    ("int8", "59.49 GiB", "43.96 GiB", "51.1 s"),
+  ],
 )
 def test_the_nvme_plan_and_disk_seconds_the_pages_state(moments, nvme, host, disk_s, page_machine):
   # The placement gpu_speed's fused_nvme compiles (the plan from Llama-2-13B's shapes for 48 GiB
@@ -126,7 +147,7 @@ def test_the_nvme_plan_and_disk_seconds_the_pages_state(moments, nvme, host, dis
   seconds = e.nvme_bytes / hw.nvme_read + e.nvme_bytes / hw.nvme_write
   assert f"{seconds:.1f} s" == disk_s
   for row in NVME_ROWS:  # in speed.md: test_the_nvme_rows_it_cites
-    if f"{moments} moments" in row:
+    if f"{MOMENTS[moments]}," in row:
       assert f"| {disk_s} |" in row and f"| {nvme} |" in row and f"| {host} |" in row
 
 

@@ -52,7 +52,6 @@ DEFAULT_MEMORY_FRACTION = 0.75
 """The share of a GPU's memory JAX takes unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise."""
 
 
-
 def memory_fraction_from_env() -> float:
   """The share of a GPU's memory JAX may take: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else 0.75.
 

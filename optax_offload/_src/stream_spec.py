@@ -44,7 +44,6 @@ class StreamSpec:
     return [j for j, t in enumerate(self.array_tiers[i]) if t is not Tier.DEVICE]
 
 
-
 LOOP_MIN_GROUPS = 6
 """Fewest groups that the update runs in a loop: consecutive equal row slices of one leaf, or of
 several leaves alike (`loop_plan`); the first and the last of them (and up to a period's worth

@@ -48,6 +48,7 @@ from optax_offload._src import offload as offload_lib
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
 from optax_offload._src import stream
+from optax_offload._src import stream_spec
 from optax_offload._src import tree_setup as setup_lib
 from optax_offload._src.nvme_tier import layers as nvme_tier_layers
 from optax_offload._src.state import OffloadState
@@ -500,9 +501,9 @@ class _Step:
     tiers = tuple(setup.array_tiers[i] for i in stack_leaves)
     on_nvme = s in self.nvme_stacks
     dims = tuple(setup.spec.dims[i] for i in stack_leaves)
-    specs: dict[int, stream.StreamSpec] = {}
+    specs: dict[int, stream_spec.StreamSpec] = {}
 
-    def spec_for(rows: int) -> stream.StreamSpec:
+    def spec_for(rows: int) -> stream_spec.StreamSpec:
       if rows not in specs:
         infos = [
           plan_lib.LeafInfo(
@@ -517,7 +518,7 @@ class _Step:
         chunks = tuple(
           setup_lib.row_chunks(unit, infos, tiers, len(plan.units)) for unit in plan.units
         )
-        specs[rows] = stream.StreamSpec(plan.units, tiers, dims, chunks)
+        specs[rows] = stream_spec.StreamSpec(plan.units, tiers, dims, chunks)
       return specs[rows]
 
     def update(stack, parts, start, w, g, shared):
@@ -681,7 +682,7 @@ class _BlockRows:
   that `TracedLayers.fetch` brought are handed to the block's groups piece by piece, and their new
   rows collected for one `TracedLayers.put` (`rows`). Keys are (position in the stack, array)."""
 
-  def __init__(self, spec: stream.StreamSpec, fetched: dict[Any, Any], token):
+  def __init__(self, spec: stream_spec.StreamSpec, fetched: dict[Any, Any], token):
     self.spec, self.fetched, self.token = spec, fetched, token
     self.groups = {
       k: k
