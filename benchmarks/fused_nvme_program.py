@@ -19,6 +19,8 @@ the callbacks per step, the copies in flight during a matmul and the compile tim
     python benchmarks/fused_nvme_program.py --layers 6 --tier nvme
     python benchmarks/fused_nvme_program.py --layers 12 --tier host
     python benchmarks/fused_nvme_program.py --model 13B --host-memory 48GiB
+    python benchmarks/fused_nvme_program.py --model 13B --host-memory 58GiB --micro-batch 3 \
+        --accumulate 40 --accumulator-dtype bf16
 """
 
 from __future__ import annotations
@@ -53,8 +55,12 @@ def model_program(args) -> None:
   args.moment_dtype = args.moment_dtype or "fp32"
   cfg = dataclasses.replace(llama.CONFIGS[args.model], attention="flash")
   window = int(args.window_fraction * gpu_speed.MEMORY[args.target])
-  e, tx = gpu_speed.nvme_tx(cfg, args.target, args, window)
-  c = gpu_speed.compile_variant(cfg, "fused_nvme", args.target, args.micro_batch, 1, window, tx=tx)
+  k = args.accumulate
+  e, tx = gpu_speed.nvme_tx(cfg, args.target, args, window, accumulate=k)
+  acc_dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.accumulator_dtype]
+  c = gpu_speed.compile_variant(
+    cfg, "fused_nvme", args.target, args.micro_batch, k, window, tx=tx, acc_dtype=acc_dtype
+  )
   schedule = gpu_program.parse_schedule(c.hlo)
   _, runs = gpu_speed.nvme_disk_io(c.hlo)
   per_step = sum(
@@ -63,14 +69,25 @@ def model_program(args) -> None:
     for i in instrs
     if i.name in schedule.callbacks
   )
-  print(f"{args.model} ({cfg.params:,} params), {cfg.layers} layers compiled, target {args.target}")
+  print(
+    f"{args.model} ({cfg.params:,} params), {cfg.layers} layers compiled, target {args.target},"
+    f" {args.moment_dtype} moments, {k} micro-batch(es) of {args.micro_batch} x 2,048 a step"
+    + (f" ({args.accumulator_dtype} accumulators)" if k > 1 else "")
+  )
   print(
     f"plan for --host-memory {args.host_memory / GiB:.2f} GiB: state in host memory"
     f" {e.host_bytes / GiB:.2f} GiB (host_limit={e.host_bytes}), NVMe {e.nvme_bytes / GiB:.2f} GiB,"
     f" host in all {e.host_total_bytes / GiB:.2f} GiB"
   )
-  print(f"device bytes {c.device_bytes} ({c.device_bytes / GiB:.2f} GiB, memory_analysis)")
-  print(f"host bytes {c.host_bytes} ({c.host_bytes / GiB:.2f} GiB, XLA's pinned-host buffers)")
+  m = c.memory
+  print(
+    f"device bytes {c.device_bytes} ({c.device_bytes / GiB:.2f} GiB, memory_analysis;"
+    f" temporaries {m.temp / GiB:.2f} GiB)"
+  )
+  print(
+    f"host bytes {c.host_bytes} ({c.host_bytes / GiB:.2f} GiB, XLA's pinned-host buffers;"
+    f" temporaries {m.host_temp / GiB:.2f} GiB)"
+  )
   print(f"callbacks per step {per_step}, of them NVMe: {runs}")
   for d in ("to_device", "to_host"):
     busy, total = schedule.overlap(d, per_execution=True)
@@ -87,7 +104,11 @@ def main() -> None:
   parser.add_argument("--model", default=None, help="a benchmarks.llama size, e.g. 13B")
   parser.add_argument("--host-memory", default="48GiB", help="--model: the host budget")
   parser.add_argument("--micro-batch", type=int, default=4, help="--model: sequences of 2,048")
-  parser.add_argument("--moment-dtype", default=None, choices=("fp32", "bf16"))
+  parser.add_argument("--moment-dtype", default=None, choices=("fp32", "bf16", "int8"))
+  parser.add_argument("--accumulate", type=int, default=1, help="--model: micro-batches a step")
+  parser.add_argument(
+    "--accumulator-dtype", default="fp32", choices=("fp32", "bf16"), help="--model, --accumulate"
+  )
   parser.add_argument("--window-fraction", type=float, default=0.1, help="--model: window / card")
   parser.add_argument("--nvme-dir", default=None, help="--model: NVMe tier directory (temp)")
   args = parser.parse_args()

@@ -66,6 +66,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -109,6 +110,7 @@ class Compiled:
   compile_s: float
   loop_trip: int | None  # the micro-batch loop's trip count in the HLO (None: no loop)
   host_bytes: int = 0  # XLA's pinned-host buffers (memory_analysis)
+  memory: Any = None  # the program's `oo.DeviceMemory` (temporaries apart)
 
 
 def _params(cfg: llama.Config, variant: str) -> dict:
@@ -217,7 +219,12 @@ def compile_variant(
     step, params, state, tokens, donate_argnums=(0, 1), target=target, xla_flags=options
   )
   return Compiled(
-    program.hlo, program.memory.device, time.perf_counter() - t0, trip, program.memory.host
+    program.hlo,
+    program.memory.device,
+    time.perf_counter() - t0,
+    trip,
+    program.memory.host,
+    program.memory,
   )
 
 
