@@ -81,6 +81,7 @@ from benchmarks import llama  # noqa: E402
 from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
 from optax_offload._src import gpu_program  # noqa: E402
 from optax_offload._src import hlo_cost  # noqa: E402
+from optax_offload._src import units  # noqa: E402
 from optax_offload._src.nvme_tier import callbacks as nvme_callbacks  # noqa: E402
 from optax_offload._src.nvme_tier import layers as nvme_layers  # noqa: E402
 
@@ -279,10 +280,12 @@ NVME_SCOPES = {
 fetch's results are the NVMe arrays it read, a put's operands those it writes."""
 
 
-def nvme_tx(cfg, target: str, args, window: int, options=None, accumulate: int = 1):
+def nvme_tx(
+  cfg, target: str, args, window: int, options=None, accumulate: int = 1, accumulator_dtype="fp32"
+):
   """(`nvme_plan`, the offloaded AdamW it places: fp32 master, the state beyond the plan's host
   bytes in ``args.nvme_dir``)."""
-  e = nvme_plan(cfg, target, args, window, accumulate)
+  e = nvme_plan(cfg, target, args, window, accumulate, accumulator_dtype)
   moments = {} if args.moment_dtype == "fp32" else {"moment_dtype": args.moment_dtype}
   tx = oo.offload(
     optax.adamw(1e-4),
@@ -296,9 +299,11 @@ def nvme_tx(cfg, target: str, args, window: int, options=None, accumulate: int =
   return e, tx
 
 
-def nvme_plan(cfg, target: str, args, window: int, accumulate: int = 1) -> oo.Estimate:
+def nvme_plan(
+  cfg, target: str, args, window: int, accumulate: int = 1, accumulator_dtype="fp32"
+) -> oo.Estimate:
   """The one-host-budget plan of the model (its shapes) for `--host-memory` on `target`, with
-  `accumulate` micro-batches a step (accumulators in ``args.accumulator_dtype``)."""
+  `accumulate` micro-batches a step (accumulators in `accumulator_dtype`)."""
   if args.host_memory is None:
     raise ValueError("fused_nvme needs --host-memory (e.g. 48GiB): the plan places the state by it")
   return oo.estimate(
@@ -312,7 +317,7 @@ def nvme_plan(cfg, target: str, args, window: int, accumulate: int = 1) -> oo.Es
     nvme_dir=args.nvme_dir,
     update_in_backward=True,
     accumulate=accumulate,
-    accumulator_dtype=getattr(args, "accumulator_dtype", "fp32"),
+    accumulator_dtype=accumulator_dtype,
   )
 
 
@@ -365,7 +370,7 @@ def nvme_disk_io(hlo: str) -> tuple[dict[str, tuple[float, float]], dict[str, in
 
 def rows_for_nvme(name: str, target: str, args) -> list[dict]:
   """The `fused_nvme` rows, one per ``--accumulate`` value (default 1)."""
-  ks = sorted({int(k) for k in (args.accumulate or "1").split(",")})
+  ks = args.accumulate or (1,)
   return [row for k in ks for row in _nvme_rows(name, target, args, k)]
 
 
@@ -382,8 +387,8 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
     atexit.register(shutil.rmtree, nvme_dir, ignore_errors=True)
   args = argparse.Namespace(**{**vars(args), "nvme_dir": nvme_dir})
   options = oo.NvmeOptions(prefetch_depth=args.prefetch_depth, write_depth=args.write_depth)
-  acc_dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.accumulator_dtype]
-  e, tx = nvme_tx(cfg, target, args, window, options, accumulate=k)
+  acc_dtype = units.parse_accumulator_dtype(args.accumulator_dtype)
+  e, tx = nvme_tx(cfg, target, args, window, options, k, args.accumulator_dtype)
   c = compile_variant(
     cfg, "fused_nvme", target, args.micro_batch, k, window, tx=tx, acc_dtype=acc_dtype
   )
@@ -473,7 +478,7 @@ def _print_nvme_row(row, args) -> None:
   )
 
 
-DEFAULT_ACCUMULATE = "8,64"
+DEFAULT_ACCUMULATE = (8, 64)
 """Micro-batches per step of every variant but ``fused_nvme`` (1) and ``offload_all`` (1)."""
 
 
@@ -483,8 +488,7 @@ def rows_for(name: str, variant: str, target: str, args) -> list[dict]:
   cfg = dataclasses.replace(llama.CONFIGS[name], attention=args.attention, remat=args.remat)
   hw = oo.hardware(target, args.host)
   window = int(args.window_fraction * MEMORY[target])
-  given = args.accumulate or DEFAULT_ACCUMULATE
-  ks = [1] if variant == "offload_all" else sorted({int(k) for k in given.split(",")})
+  ks = [1] if variant == "offload_all" else list(args.accumulate or DEFAULT_ACCUMULATE)
   depths = [cfg.layers] if args.full_depth else [int(d) for d in args.depths.split(",")]
   k_compiled = 1 if ks == [1] else ACCUMULATE
   per_depth = []
@@ -587,6 +591,19 @@ def rows_for(name: str, variant: str, target: str, args) -> list[dict]:
   return rows
 
 
+def micro_batch_counts(text: str) -> tuple[int, ...]:
+  """``--accumulate``'s value: micro-batch counts, e.g. ``"8,64"`` -> ``(8, 64)``, each >= 1."""
+  try:
+    ks = sorted({int(k) for k in text.split(",")})
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+      f"{text!r}: give counts separated by commas, e.g. 8,64"
+    ) from None
+  if ks[0] < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: every micro-batch count must be >= 1")
+  return tuple(ks)
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument("--models", default=DEFAULT_MODELS, help=f"of {', '.join(llama.CONFIGS)}")
@@ -606,13 +623,14 @@ def main(argv=None) -> list[dict]:
   parser.add_argument(
     "--accumulate",
     default=None,
+    type=micro_batch_counts,
     help="micro-batches per step, e.g. 8,64 (default 8,64; fused_nvme: 1)",
   )
   parser.add_argument(
     "--accumulator-dtype",
-    default="fp32",
+    default=None,
     choices=("fp32", "bf16"),
-    help="fused_nvme with --accumulate above 1: the stack's accumulators in host memory",
+    help="fused_nvme with --accumulate above 1: the stack's accumulators in host memory (fp32)",
   )
   parser.add_argument("--depths", default="4,6", help="compiled depths (layers), extrapolated")
   parser.add_argument("--full-depth", action="store_true", help="compile the model's real depth")
@@ -640,6 +658,12 @@ def main(argv=None) -> list[dict]:
   for v in args.variants.split(","):
     if v not in VARIANTS:
       parser.error(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}")
+  if args.accumulator_dtype is not None and args.variants != "fused_nvme":
+    parser.error(
+      "--accumulator-dtype applies to the fused_nvme rows only (the other variants accumulate in "
+      "fp32, as their host bytes count): give --variants fused_nvme with it"
+    )
+  args.accumulator_dtype = args.accumulator_dtype or "fp32"
   rows = []
   t0 = time.perf_counter()
   for target in args.targets.split(","):

@@ -173,3 +173,56 @@ def test_the_window_the_page_asks_for():
   assert all(
     argv[argv.index("--window-bytes") + 1] == "2.5GiB" for argv, _ in plan_blocks(PAGE.read_text())
   )
+
+
+ACCUMULATION_ROWS = [
+  # (moments, --host-memory, micro-batches, NVMe, host, disk busy, fits): speed.md's accumulation
+  # table (bf16 accumulators), whose plan bytes and disk seconds are arithmetic: pinned here.
+  ("fp32", "59 GiB", 40, "145.46 GiB", "58.81 GiB", "125.1 s", True),
+  ("bf16", "58 GiB", 40, "94.53 GiB", "57.58 GiB", "81.3 s", True),
+  ("bf16", "48 GiB", 40, "96.98 GiB", "55.14 GiB", "83.4 s", False),
+  ("int8", "58 GiB", 24, "72.19 GiB", "57.25 GiB", "62.1 s", True),
+]
+
+
+@pytest.mark.parametrize("moments, host_memory, k, nvme, host, disk_s, fits", ACCUMULATION_ROWS)
+def test_the_accumulation_rows_plan_bytes_and_disk_seconds(
+  moments, host_memory, k, nvme, host, disk_s, fits, page_machine
+):
+  import argparse
+
+  import optax_offload as oo
+  from benchmarks import gpu_speed
+  from benchmarks import llama
+  from optax_offload._src.units import format_bytes
+
+  budget = int(host_memory.split()[0]) << 30
+  args = argparse.Namespace(host_memory=budget, moment_dtype=moments, nvme_dir=page_machine)
+  window = int(0.1 * gpu_speed.MEMORY["rtx4090_24gb"])
+  e = gpu_speed.nvme_plan(llama.CONFIGS["13B"], "rtx4090_24gb", args, window, k, "bf16")
+  assert (format_bytes(e.nvme_bytes), format_bytes(e.host_total_bytes)) == (nvme, host)
+  assert (e.host_total_bytes <= budget) == fits
+  hw = oo.hardware("rtx4090_24gb", "desktop")
+  assert f"{e.nvme_bytes / hw.nvme_read + e.nvme_bytes / hw.nvme_write:.1f} s" == disk_s
+  label = {"fp32": "fp32 moments", "bf16": "bf16 moments", "int8": "8-bit moments"}[moments]
+  speed = (ROOT / "docs" / "speed.md").read_text()
+  rows = [
+    r for r in speed.splitlines() if r.startswith(f"| {label}, {k} x 3 x 2,048 | {host_memory} |")
+  ]
+  assert rows, (label, k, host_memory)
+  cells = [c.strip(" *") for c in rows[0].strip("|").split("|")]
+  assert (cells[5], cells[10], cells[9], cells[11]) == (disk_s, nvme, host, "yes" if fits else "no")
+
+
+def test_the_accumulation_figures_it_cites():
+  # The page's accumulation paragraph cites speed.md's rows.
+  speed = (ROOT / "docs" / "speed.md").read_text()
+  page = PAGE.read_text()
+  for row, cited in [
+    ("| fp32 moments, 40 x 3 x 2,048 | 59 GiB | 245,760 |", ("60.3", "125 s")),
+    ("| bf16 moments, 40 x 3 x 2,048 | 58 GiB | 245,760 |", ("69.9", "81 s")),
+  ]:
+    (line,) = [r for r in speed.splitlines() if r.startswith(row)]
+    cells = [c.strip(" *") for c in line.strip("|").split("|")]
+    assert cells[7] == cited[0] and cells[5].startswith(cited[1].split()[0])
+    assert cited[0] in page and cited[1] in page

@@ -299,3 +299,13 @@ def test_fused_nvme_buffers_from_shapes_hold_two_row_slices():
   # After the backward pass instead: 3 groups of 4 MiB, and the gradients (4 MiB) in host memory.
   e = oo.estimate(params, window_bytes="9.5MiB", update_in_backward=False, **kwargs)
   assert e.nvme_buffer_bytes == 12 * MiB and e.host_total_bytes == 4 * MiB + 4 * MiB + 12 * MiB
+
+
+def test_accumulator_dtype_without_accumulation_is_refused(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli.main([*GOAL, "--nvme-size", "2TB", "--accumulator-dtype", "bf16"])
+  assert exit_.value.code == 2
+  assert "give --accumulate K (K >= 2)" in capsys.readouterr().err
+  # Without accumulators an estimate names no accumulator dtype.
+  e = oo.estimate(13e9, param_dtype="bf16", weights_on="host", layers=40, accumulator_dtype="bf16")
+  assert e.accumulator_bytes == 0 and e.accumulator_dtype is None

@@ -189,6 +189,8 @@ def test_bad_input_is_refused_with_the_fix(tmp_path):
 
   with pytest.raises(ValueError, match="leading micro-batch axis of length 3"):
     jax.jit(oo.value_and_update(loss, tx, accumulate=3))(params, tx.init(params), t)
+  with pytest.raises(ValueError, match="accumulator_dtype must be a floating dtype"):
+    oo.value_and_update(loss, tx, accumulate=2, accumulator_dtype="int8")
 
   tx = oo.offload(optax.adam(1e-3), min_size=256, update_on="host")
   with pytest.raises(NotImplementedError, match="update_on='host'"):
@@ -198,6 +200,9 @@ def test_bad_input_is_refused_with_the_fix(tmp_path):
   tx = oo.offload(optax.chain(optax.sgd(1e-2), _flags()), min_size=256)
   with pytest.raises(NotImplementedError, match="holds a bool array.*not booleans"):
     jax.jit(oo.value_and_update(loss, tx))(params, tx.init(params), t)
+  # With a clip the stacks are updated after the backward pass: their state needs no carrier.
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), tx)
+  jax.jit(oo.value_and_update(loss, clipped))(params, clipped.init(params), t)
 
 
 def _flags() -> optax.GradientTransformation:
@@ -293,8 +298,7 @@ def test_integer_state_comes_back_from_the_backward_bit_for_bit(dtype):
 INT8_CASES = [
   # (optimizer, dtype, layers, accumulate, clip, stack on host, NVMe): the stack in host memory
   # and on the device, accumulation, a clip (the stack then updated after the backward pass), the
-  # state in the NVMe tier (the per-block callbacks).
-  # the state in the NVMe tier (the per-block callbacks). Bit for bit where the grouping does not
+  # state in the NVMe tier (the per-block callbacks). Bit for bit where the grouping does not
   # change the arithmetic (DESIGN.md's numerics rule): a clip that does not trigger (a triggering
   # one scales by a norm summed layer by layer), sgd's momentum (lion's mu differs by ulps in the
   # leaves outside the stack with the stack on the device and accumulate=2, with fp32 moments too:
@@ -337,7 +341,7 @@ def test_int8_adam_moments_are_bit_exact_for_a_step_then_within_a_code():
         diff = np.abs(a.astype(np.int32) - b.astype(np.int32))
         assert diff.max() <= 1
         flips += int(np.count_nonzero(diff))
-    assert flips <= 5
+    assert flips <= 5  # measured: about 1 code in 12,288 moves, from the second step on
 
 
 def int8_steps(name, dtype, layers, k, clip, on_host, nvme, tmp_path, *, steps):
@@ -395,3 +399,26 @@ def int8_steps(name, dtype, layers, k, clip, on_host, nvme, tmp_path, *, steps):
 
 def raw_state(state, clip):
   return state if clip is None else state[1]
+
+
+def test_int8_state_in_host_memory_compiles_to_bitcasts_on_the_gpu():
+  # Compiled for an H100, the 8-bit codes' carriers through the backward pass are free bitcasts:
+  # no host computation (XLA would otherwise turn arithmetic on pinned-host operands into some),
+  # and no more host temporaries than with fp32 moments (measured: 0 and 64 KiB), the state
+  # updated in place.
+  from helpers import gpu_compile_or_skip
+
+  gpu_compile_or_skip()
+  cfg, params = decoder(4, jnp.float32)
+  params = dict(params, layers=oo.to_pinned_host(params["layers"]))
+  t = tokens(0, 0, 1)
+  memories = {}
+  for moments in (None, "int8"):
+    tx = oo.offload(optax.adamw(1e-3), min_size=256, moment_dtype=moments)
+    step = oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx)
+    program = oo.compile_for_gpu(
+      step, params, oo.abstract_state(tx, params), t, donate_argnums=(0, 1), target="h100_80gb"
+    )
+    assert not program.schedule.host_compute
+    memories[moments] = program.memory
+  assert memories["int8"].host_temp <= memories[None].host_temp <= 65_536

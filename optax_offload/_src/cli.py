@@ -134,10 +134,11 @@ def _parser() -> argparse.ArgumentParser:
   )
   opt(
     "--accumulator-dtype",
-    default="fp32",
+    default=None,
     choices=("fp32", "bf16"),
-    help="dtype of the gradient accumulators (value_and_update's accumulator_dtype): fp32 "
-    "(default, 4 B per stack parameter, as optax.MultiSteps) or bf16 (2 B)",
+    help="with --accumulate above 1: dtype of the gradient accumulators (value_and_update's "
+    "accumulator_dtype): fp32 (default, 4 B per stack parameter, as optax.MultiSteps) or bf16 "
+    "(2 B)",
   )
   opt(
     "--nvme-dir",
@@ -261,6 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if args.command != "plan":  # argparse rejects unknown commands; kept for new ones
     parser.error(f"unknown command {args.command!r}")
+  if args.accumulator_dtype is not None and args.accumulate < 2:
+    parser.error(
+      "--accumulator-dtype is the dtype of the accumulators of several micro-batches a step: give "
+      "--accumulate K (K >= 2) with it, or leave it out."
+    )
   try:
     result = estimate_lib.estimate(
       args.params,
@@ -276,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       host_memory=args.host_memory,
       update_in_backward={"auto": None, "yes": True, "no": False}[args.update_in_backward],
       accumulate=args.accumulate,
-      accumulator_dtype=args.accumulator_dtype,
+      accumulator_dtype=args.accumulator_dtype or "fp32",
       memory_fraction=(
         None if args.device_memory is None else host_budget.memory_fraction_from_env()
       ),

@@ -45,6 +45,7 @@ from optax_offload._src.plan import NVME_DISK_FACTOR
 from optax_offload._src.units import check_options
 from optax_offload._src.units import dtype_name
 from optax_offload._src.units import format_bytes
+from optax_offload._src.units import parse_accumulator_dtype
 from optax_offload._src.units import parse_bytes
 from optax_offload._src.units import parse_count
 from optax_offload._src.units import parse_dtype
@@ -123,7 +124,8 @@ class Estimate:
     update_in_backward_reason: why the planner chose (or was told) so.
     accumulate: micro-batches per optimizer step (`value_and_update`'s ``accumulate``).
     accumulator_bytes: the stack's gradient accumulators in pinned host memory.
-    accumulator_dtype: their dtype (`value_and_update`'s ``accumulator_dtype``).
+    accumulator_dtype: their dtype (`value_and_update`'s ``accumulator_dtype``), or None without
+      accumulators.
     leaves: per-leaf infos when shapes were given, else None.
     plan: `make_plan`'s plan when shapes were given, else None.
   """
@@ -161,7 +163,7 @@ class Estimate:
   update_in_backward_reason: str | None = None
   accumulate: int = 1
   accumulator_bytes: int = 0
-  accumulator_dtype: str = "fp32"
+  accumulator_dtype: str | None = None
   leaves: tuple[plan_lib.LeafInfo, ...] | None = dataclasses.field(default=None, repr=False)
   plan: plan_lib.Plan | None = dataclasses.field(default=None, repr=False)
 
@@ -598,17 +600,13 @@ def estimate(
       "(value_and_update's host-memory accumulators: --weights-on host --layers N, without "
       "--update-in-backward no), or plan one micro-batch per step."
     )
-  acc_dtype = parse_dtype(accumulator_dtype, "accumulator_dtype")
-  if not jnp.issubdtype(acc_dtype, jnp.floating):
-    raise ValueError(f"accumulator_dtype must be a floating dtype, got {acc_dtype}.")
+  acc_dtype = parse_accumulator_dtype(accumulator_dtype)
   accumulators = host_budget.accumulator_bytes(stack, fused, accumulate, acc_dtype.itemsize)
 
   def build(state_limit):
     e = base(dict(common, host_limit=state_limit))
     if stack:
-      e = host_budget.with_weights_on_host(
-        e, stack, fused, accumulate, accumulators, acc_dtype.itemsize
-      )
+      e = host_budget.with_weights_on_host(e, stack, fused, accumulate, accumulators)
     return e
 
   if host_memory is None:
@@ -625,7 +623,7 @@ def estimate(
     update_in_backward_reason=why,
     accumulate=accumulate,
     accumulator_bytes=accumulators,
-    accumulator_dtype=dtype_name(acc_dtype),
+    accumulator_dtype=dtype_name(acc_dtype) if accumulators else None,
   )
 
 

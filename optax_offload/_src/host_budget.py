@@ -278,7 +278,6 @@ def with_weights_on_host(
   fused: bool = False,
   accumulate: int = 1,
   accumulators: int = 0,
-  accumulator_itemsize: int = 4,
 ) -> Estimate:
   """`e` with the weights of `stack` ((bytes, layers, params) per leaf) in pinned host memory.
 
@@ -311,9 +310,8 @@ def with_weights_on_host(
     layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
     if accumulators:  # rows of the accumulators come in with their layers' weights
       per_layer_params = sum(-(-size // n) for _, n, size in stack)
-      stack_layer_bytes = (
-        plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE * per_layer_params * accumulator_itemsize
-      )
+      itemsize = accumulators // sum(size for _, _, size in stack)  # `accumulator_bytes`
+      stack_layer_bytes = plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE * per_layer_params * itemsize
     host_weights = weights
     link = e.link_bytes + (2 * accumulate + 1) * weights + 2 * (accumulate - 1) * accumulators
   else:

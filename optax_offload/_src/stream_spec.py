@@ -18,7 +18,7 @@ from optax_offload._src.plan import Tier
 
 @dataclasses.dataclass(frozen=True)
 class StreamSpec:
-  """How `run` moves and splits the state: derived from the plan and the state's shapes.
+  """How `stream.run` moves and splits the state: derived from the plan and the state's shapes.
 
   Attributes:
     units: the plan's groups of pieces, in update order.
@@ -52,7 +52,7 @@ more) stay unrolled around the loop."""
 
 @dataclasses.dataclass(frozen=True)
 class LoopRange:
-  """Groups run in one `lax.fori_loop` (`_loop`): block positions ``1 .. 1 + stages * trips`` of a
+  """Groups run in one `lax.fori_loop` (`stream._loop`): block positions ``1 .. 1 + stages * trips`` of a
   block of equal row slices of `leaves`, taken in turn (slice t of each leaf, then slice t + 1).
 
   Attributes:

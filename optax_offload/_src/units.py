@@ -118,6 +118,25 @@ def parse_dtype(value: Any, name: str = "param_dtype") -> np.dtype:
     ) from None
 
 
+def parse_accumulator_dtype(value: Any) -> np.dtype:
+  """Parses the dtype of gradient accumulators (``"fp32"``, ``"bf16"``, ``jnp.float32``, ...): a
+  floating dtype.
+
+  Raises:
+    ValueError: for an unknown or a non-floating dtype.
+
+  Examples:
+    >>> parse_accumulator_dtype("bf16")
+    dtype(bfloat16)
+  """
+  dtype = parse_dtype(value, "accumulator_dtype")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+      f"accumulator_dtype must be a floating dtype (fp32 or bf16), got {dtype_name(dtype)}."
+    )
+  return dtype
+
+
 def dtype_name(dtype: np.dtype) -> str:
   """The short name of `dtype` in reports: ``"bf16"``, ``"fp32"``, ..., else numpy's name.
 

@@ -50,6 +50,7 @@ from optax_offload._src import separable
 from optax_offload._src import stream
 from optax_offload._src import stream_spec
 from optax_offload._src import tree_setup as setup_lib
+from optax_offload._src import units
 from optax_offload._src.nvme_tier import layers as nvme_tier_layers
 from optax_offload._src.state import OffloadState
 
@@ -155,7 +156,8 @@ def value_and_update(
     accumulate: micro-batches per step: the batch arguments carry a leading axis of this length,
       and their gradients are averaged as ``optax.MultiSteps(..., every_k_schedule=accumulate)``
       averages them (its running mean), before one update.
-    accumulator_dtype: dtype of the accumulated gradients (``optax.MultiSteps``' default, float32).
+    accumulator_dtype: dtype of the accumulated gradients (``optax.MultiSteps``' default, float32;
+      ``"bf16"`` or ``jnp.bfloat16`` halves the host memory a stack's accumulators take).
       A stack's accumulator lives in host memory during the step.
 
   Returns:
@@ -185,7 +187,7 @@ def value_and_update(
   if not (isinstance(accumulate, int) and accumulate >= 1):
     raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
   structure = _structure(tx)
-  acc_dtype = jnp.dtype(accumulator_dtype)
+  acc_dtype = units.parse_accumulator_dtype(accumulator_dtype)
 
   def step(params, state, *batch, **kwargs):
     return _Step(structure, loss_fn, has_aux, accumulate, acc_dtype).run(
@@ -235,7 +237,9 @@ class _Step:
     self.stacks = stacks
     fused = {i for s, _ in stacks for i in s}
     self.fused = fused
-    for i in sorted(fused):
+    # Without a clip the stacks' state rides through the backward pass (with one, the stacks are
+    # updated after it, streamed as update_and_apply streams them).
+    for i in sorted(fused) if self.s.clip is None else ():
       for x in jax.tree.leaves(per_leaf[i]):
         if _carrier(x.dtype) is None:
           raise NotImplementedError(
@@ -726,8 +730,9 @@ class _BlockRows:
     }
 
 
-_CARRIERS = {1: jnp.float8_e4m3fn, 2: jnp.bfloat16, 4: jnp.float32}
-"""The float dtype that carries an integer state array of each width through the backward pass."""
+_CARRIERS = {8: jnp.float8_e4m3fn, 16: jnp.bfloat16, 32: jnp.float32}
+"""The float dtype that carries an integer state array of each bit width through the backward
+pass."""
 
 
 def _carrier(dtype) -> Any:
@@ -738,13 +743,14 @@ def _carrier(dtype) -> Any:
   travels bit-cast to a float: nothing in the backward adds or scales it (one use, no other
   cotangent joins it), so every bit pattern, NaNs and -0 included, comes back unchanged (tested
   with codes taking all 256 values); XLA turns a same-width bit-cast into a free bitcast, on host
-  memory too (checked in an XLA:GPU compile).
+  memory too (`tests/test_value_and_update.py::
+  test_int8_state_in_host_memory_compiles_to_bitcasts_on_the_gpu`).
   """
   dtype = jnp.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.inexact):
     return dtype
   if jnp.issubdtype(dtype, jnp.integer):
-    return _CARRIERS.get(dtype.itemsize)
+    return _CARRIERS.get(jnp.iinfo(dtype).bits)  # int4: none (its itemsize is 1, its bits 4)
   return None
 
 
