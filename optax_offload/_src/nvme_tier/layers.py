@@ -157,7 +157,9 @@ class TracedLayers:
           for key, rows in tier.members[sg]
         )
         raise type(e)(f"the state of {held}: {e}") from e
-      u.new[sg] = [np.array(got[name]) for name in names]  # writable: the new rows go here
+      # Writable (the new rows go here), page-aligned and reused step after step: no fresh pages
+      # faulted in, and the store writes them with direct I/O without a staging copy.
+      u.new[sg] = tier.host_copies(device, [got[name] for name in names], writable=True)
       stats = tier.layer_stats
       stats["store_fetches"] += 1
       held = sum(a.nbytes for arrays in u.new.values() for a in arrays)
@@ -209,7 +211,8 @@ class TracedLayers:
                 got.append(
                   self._group(device, tier, u, p.group)[p.member][lo - p.start : hi - p.start]
                 )
-            out.append(np.concatenate(got) if len(got) > 1 else np.array(got[0]))
+            # A view, not a copy: the callback copies it into the program's buffer at once.
+            out.append(np.concatenate(got) if len(got) > 1 else got[0])
       except Exception as e:
         raise type(e)(
           f"value_and_update: reading the optimizer state of {self._describe(start, rows)} of a "
