@@ -183,36 +183,6 @@ def test_layers_are_read_ahead_last_first_with_bounded_host_copies(fast_dir):
     oo.close_nvme(state)
 
 
-def test_layer_groups_are_put_from_reused_page_aligned_buffers(fast_dir):
-  # A stack group the backward opens is copied once into the tier's page-aligned pool (not a fresh
-  # numpy array each step): the store writes it with direct I/O as it is, and later steps reuse
-  # the same buffers instead of faulting fresh pages in.
-  import mmap
-
-  cfg, params = decoder(4)
-  tx = make_tx("sgd_momentum", nvme_dir=fast_dir)  # the stack in one store group
-  state = tx.init(params)
-  try:
-    store = nvme_tier.lookup(state.nvme_store).store
-    puts, put = [], store.put
-
-    def recording_put(group, generation, arrays):
-      puts.append([a.ctypes.data for a in arrays])
-      put(group, generation, arrays)
-
-    store.put = recording_put
-    addresses = []
-    for s in range(4):
-      puts.clear()
-      params, state = run(cfg, params, tx, state, 1, 1, first=s)
-      oo.sync_nvme(state)
-      assert puts and all(a % mmap.PAGESIZE == 0 for arrays in puts for a in arrays), puts
-      addresses.append({arrays[0] for arrays in puts})
-    assert len(set().union(*addresses[1:])) <= 2, addresses
-  finally:
-    oo.close_nvme(state)
-
-
 def test_restart_from_a_checkpoint_continues_bit_for_bit(fast_dir):
   cfg, params = decoder(3)
   host_tx = make_tx("sgd_momentum", window=SMALL_WINDOW)

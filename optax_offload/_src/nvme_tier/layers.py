@@ -157,9 +157,7 @@ class TracedLayers:
           for key, rows in tier.members[sg]
         )
         raise type(e)(f"the state of {held}: {e}") from e
-      # Writable (the new rows go here), page-aligned and reused step after step: no fresh pages
-      # faulted in, and the store writes them with direct I/O without a staging copy.
-      u.new[sg] = tier.host_copies(device, [got[name] for name in names], writable=True)
+      u.new[sg] = [np.array(got[name]) for name in names]  # writable: the new rows go here
       stats = tier.layer_stats
       stats["store_fetches"] += 1
       held = sum(a.nbytes for arrays in u.new.values() for a in arrays)

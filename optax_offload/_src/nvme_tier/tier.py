@@ -137,13 +137,10 @@ class NvmeTier:
     self.layer_stats: collections.Counter[str] = collections.Counter()
     self.id = registry.register(self)
 
-  def host_copies(
-    self, device: int, arrays: Sequence[np.ndarray], writable: bool = False
-  ) -> list[np.ndarray]:
+  def host_copies(self, device: int, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Copies of one device's `arrays` (a store group's shards, put), each page-aligned in one
     buffer of the tier's pool: the store writes them with direct I/O without a staging copy, and
-    the buffer is reused once the store lets go of the arrays (`nvme.ReadBuffers`). `writable`:
-    the copies may be written into before they are put (`layers`' open groups)."""
+    the buffer is reused once the store lets go of the arrays (`nvme.ReadBuffers`)."""
     del device
     sizes = [_page_round(a.nbytes) for a in arrays]
     lease = self._copies.take(max(self._copy_slot, sum(sizes)))
@@ -151,7 +148,7 @@ class NvmeTier:
     for a, size in zip(arrays, sizes):
       copy = lease[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape)
       np.copyto(copy, a)
-      copy.flags.writeable = writable
+      copy.flags.writeable = False
       out.append(copy)
       offset += size
     return out
