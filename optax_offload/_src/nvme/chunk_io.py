@@ -19,8 +19,9 @@ written and 0.14-0.22 per GB read.
 
 Where the file system says (``statx``'s ``STATX_DIOALIGN``) that direct I/O takes memory as
 aligned as the array being written, a whole chunk file is written straight from the array in one
-request, with no staging copy: NVMe drives take 4-byte-aligned memory since Linux 6.0, so the 64-byte-aligned
-buffers JAX hands over qualify there; this VM's virtio disk wants 512, so they are staged here.
+request, with no staging copy: NVMe drives take 4-byte-aligned memory since Linux 6.0, so the
+64-byte-aligned buffers JAX hands over qualify there; this VM's virtio disk wants 512, so they are
+staged here (the NVMe tier's page-aligned put copies qualify on any disk).
 
 Chunk files are opened without ``O_TRUNC`` and written over, so that a file of a dropped
 generation (`files.Spares`) keeps its blocks; a file with another hard link (a checkpoint's) is
