@@ -209,7 +209,8 @@ class TracedLayers:
                 got.append(
                   self._group(device, tier, u, p.group)[p.member][lo - p.start : hi - p.start]
                 )
-            out.append(np.concatenate(got) if len(got) > 1 else np.array(got[0]))
+            # A view, not a copy: the callback copies it into the program's buffer at once.
+            out.append(np.concatenate(got) if len(got) > 1 else got[0])
       except Exception as e:
         raise type(e)(
           f"value_and_update: reading the optimizer state of {self._describe(start, rows)} of a "

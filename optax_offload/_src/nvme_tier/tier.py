@@ -137,6 +137,14 @@ class NvmeTier:
     self.layer_stats: collections.Counter[str] = collections.Counter()
     self.id = registry.register(self)
 
+  @property
+  def host_buffer_bound(self) -> int:
+    """Most bytes of host buffers this process's tier holds: the store's `host_buffer_bound` plus
+    the put copy each local device fills while the store still holds ``write_depth`` others
+    (`host_copies`, on a CPU backend: the pool's one slot per device beyond the store's count;
+    elsewhere JAX's ``io_callback`` makes a copy of about that size itself)."""
+    return self.store.host_buffer_bound + len(self._local_devices) * self._copy_slot
+
   def host_copies(self, device: int, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Copies of one device's `arrays` (a store group's shards, put), each page-aligned in one
     buffer of the tier's pool: the store writes them with direct I/O without a staging copy, and
