@@ -92,12 +92,14 @@ CASES = [
   # (optimizer, layers, accumulate, clip, window, host_limit): the stack's state in one store
   # group with the embedding's and the head's (default window), or in row slices of one or two
   # layers (small window); accumulation; a clip (the stack then updated after the backward pass);
-  # part of the state on the host.
+  # part of the state on the host. Adam inside the backward loop once, without accumulation
+  # (accumulation with the NVMe tier is in the sgd and lion cases; Adam's case is checked within
+  # tolerance only, `INEXACT`, and with 5 layers and 2 micro-batches it took 150 s of the suite).
   ("sgd_momentum", 5, 1, None, None, 0),
   ("sgd_momentum", 5, 2, None, SMALL_WINDOW, 0),
   ("lion", 4, 3, 0.05, SMALL_WINDOW, 0),
   ("sgd_momentum", 3, 1, None, SMALL_WINDOW, 300_000),
-  ("adamw", 5, 2, None, SMALL_WINDOW, 0),
+  ("adamw", 3, 1, None, SMALL_WINDOW, 0),
   ("adamw", 4, 1, 0.05, SMALL_WINDOW, 0),
 ]
 INEXACT = {("adamw", None)}
