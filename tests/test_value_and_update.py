@@ -404,21 +404,21 @@ def raw_state(state, clip):
 def test_int8_state_in_host_memory_compiles_to_bitcasts_on_the_gpu():
   # Compiled for an H100, the 8-bit codes' carriers through the backward pass are free bitcasts:
   # no host computation (XLA would otherwise turn arithmetic on pinned-host operands into some),
-  # and no more host temporaries than with fp32 moments (measured: 0 and 64 KiB), the state
-  # updated in place.
+  # and the state updated in place: no host temporaries (measured: 0 B; 64 KiB with fp32 moments).
   from helpers import gpu_compile_or_skip
 
   gpu_compile_or_skip()
   cfg, params = decoder(4, jnp.float32)
   params = dict(params, layers=oo.to_pinned_host(params["layers"]))
-  t = tokens(0, 0, 1)
-  memories = {}
-  for moments in (None, "int8"):
-    tx = oo.offload(optax.adamw(1e-3), min_size=256, moment_dtype=moments)
-    step = oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx)
-    program = oo.compile_for_gpu(
-      step, params, oo.abstract_state(tx, params), t, donate_argnums=(0, 1), target="h100_80gb"
-    )
-    assert not program.schedule.host_compute
-    memories[moments] = program.memory
-  assert memories["int8"].host_temp <= memories[None].host_temp <= 65_536
+  tx = oo.offload(optax.adamw(1e-3), min_size=256, moment_dtype="int8")
+  step = oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx)
+  program = oo.compile_for_gpu(
+    step,
+    params,
+    oo.abstract_state(tx, params),
+    tokens(0, 0, 1),
+    donate_argnums=(0, 1),
+    target="h100_80gb",
+  )
+  assert not program.schedule.host_compute
+  assert program.memory.host_temp == 0
