@@ -107,11 +107,18 @@ class Compiled:
   """What a row needs from one compiled program."""
 
   hlo: str
-  device_bytes: int
+  memory: Any  # the program's `oo.DeviceMemory` (memory_analysis: device and host apart)
   compile_s: float
   loop_trip: int | None  # the micro-batch loop's trip count in the HLO (None: no loop)
-  host_bytes: int = 0  # XLA's pinned-host buffers (memory_analysis)
-  memory: Any = None  # the program's `oo.DeviceMemory` (temporaries apart)
+
+  @property
+  def device_bytes(self) -> int:
+    return self.memory.device
+
+  @property
+  def host_bytes(self) -> int:
+    """XLA's pinned-host buffers."""
+    return self.memory.host
 
 
 def _params(cfg: llama.Config, variant: str) -> dict:
@@ -219,14 +226,7 @@ def compile_variant(
   program = oo.compile_for_gpu(
     step, params, state, tokens, donate_argnums=(0, 1), target=target, xla_flags=options
   )
-  return Compiled(
-    program.hlo,
-    program.memory.device,
-    time.perf_counter() - t0,
-    trip,
-    program.memory.host,
-    program.memory,
-  )
+  return Compiled(program.hlo, program.memory, time.perf_counter() - t0, trip)
 
 
 def with_trip_count(hlo: str, old: int, new: int) -> str:
@@ -459,20 +459,18 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
     "modelled": True,
   }
   assert t.step_s >= t.compute_s * (1 - 1e-9) and row["mfu"] <= 1.0, row
-  _print_nvme_row(row, args)
+  _print_nvme_row(row)
   return [row]
 
 
-def _print_nvme_row(row, args) -> None:
-  del args
-  GiB_ = GiB
+def _print_nvme_row(row) -> None:
   print(
     f"{row['model']:>4} {row['target']:13s} fused_nvme({row['moment_dtype']})"
     f" tokens/step {row['tokens_per_step']:>7d} step {row['step_s']:8.2f}s"
     f" compute {row['compute_s']:8.2f}s disk {row['disk_s']:7.2f}s"
     f" (waited {row['disk_wait_s']:.2f}s) {row['model_tflops']:6.1f} TFLOPS"
-    f" {row['tokens_per_s']:8.0f} tok/s device {row['device_bytes'] / GiB_:6.1f} GiB host"
-    f" {row['host_bytes'] / GiB_:6.2f} GiB nvme {row['nvme_bytes'] / GiB_:6.2f} GiB"
+    f" {row['tokens_per_s']:8.0f} tok/s device {row['device_bytes'] / GiB:6.1f} GiB host"
+    f" {row['host_bytes'] / GiB:6.2f} GiB nvme {row['nvme_bytes'] / GiB:6.2f} GiB"
     f" fits {row['fits']!s:5s} [{row['bottleneck']}] compile {row['compile_s']:.0f}s",
     flush=True,
   )

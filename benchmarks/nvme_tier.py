@@ -263,9 +263,7 @@ def _raw(t: _Tier, nbytes: int) -> dict:
 def _tier_buffer_bound(t: _Tier) -> int:
   from optax_offload._src import nvme_tier
 
-  tier = nvme_tier.lookup(t.state.nvme_store)
-  # The store's alone with a tier that does not count its put copies (to run this against older ones).
-  return getattr(tier, "host_buffer_bound", t.store.host_buffer_bound)
+  return nvme_tier.lookup(t.state.nvme_store).host_buffer_bound
 
 
 def _store_only(t: _Tier, args) -> list[dict]:

@@ -606,7 +606,9 @@ def estimate(
   def build(state_limit):
     e = base(dict(common, host_limit=state_limit))
     if stack:
-      e = host_budget.with_weights_on_host(e, stack, fused, accumulate, accumulators)
+      e = host_budget.with_weights_on_host(
+        e, stack, fused, accumulate, accumulators, acc_dtype.itemsize
+      )
     return e
 
   if host_memory is None:

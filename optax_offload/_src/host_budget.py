@@ -278,6 +278,7 @@ def with_weights_on_host(
   fused: bool = False,
   accumulate: int = 1,
   accumulators: int = 0,
+  accumulator_itemsize: int = 4,
 ) -> Estimate:
   """`e` with the weights of `stack` ((bytes, layers, params) per leaf) in pinned host memory.
 
@@ -292,7 +293,8 @@ def with_weights_on_host(
   `FUSED_WEIGHT_LAYERS_ON_DEVICE` and `FUSED_GRAD_LAYERS_ON_DEVICE` layers (and with accumulators
   `plan.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE` layers of them) and the window at once.
   Per micro-batch the weights cross the link twice (forward, backward) and once more per step
-  (the new weights); the accumulators 2 (accumulate - 1) times a step.
+  (the new weights); the accumulators (`accumulators` bytes, `accumulator_itemsize` bytes a
+  parameter) 2 (accumulate - 1) times a step.
   """
   weights = sum(nbytes for nbytes, _, _ in stack)
   per_layer = sum(-(-nbytes // n) for nbytes, n, _ in stack)
@@ -310,8 +312,9 @@ def with_weights_on_host(
     layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
     if accumulators:  # rows of the accumulators come in with their layers' weights
       per_layer_params = sum(-(-size // n) for _, n, size in stack)
-      itemsize = accumulators // sum(size for _, _, size in stack)  # `accumulator_bytes`
-      stack_layer_bytes = plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE * per_layer_params * itemsize
+      stack_layer_bytes = (
+        plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE * per_layer_params * accumulator_itemsize
+      )
     host_weights = weights
     link = e.link_bytes + (2 * accumulate + 1) * weights + 2 * (accumulate - 1) * accumulators
   else:

@@ -352,7 +352,7 @@ class _Step:
       grads = self.final_rest_grads(g, acc_rest, rest, n_last)
       if self.nvme_stacks:
         # Every stack's last put before the leaves after it (and the commit).
-        tokens = [_from_f32(cot[s]["parts"][-1]) for s in sorted(self.nvme_stacks)]
+        tokens = [_from_carrier(cot[s]["parts"][-1], _TOKEN) for s in sorted(self.nvme_stacks)]
         token, *_ = lax.optimization_barrier((tokens[0], *tokens[1:]))
       new_leaves, new_shared, new_per_leaf, token = self.update_rest(grads, rest, None, token)
       for s, (stack_leaves, _) in enumerate(stacks):
@@ -484,7 +484,7 @@ class _Step:
       if s in self.nvme_stacks:
         # The NVMe token rides with the state through the backward loop (as float32 bits: the
         # "cotangent" of an integer input would be float0), so the layer callbacks run in order.
-        io["parts"] = (*io["parts"], _to_f32(token))
+        io["parts"] = (*io["parts"], _to_carrier(token))
     if norm:
       io["norm"] = jnp.zeros((len(stack_leaves),), jnp.float32)
     return io
@@ -530,7 +530,7 @@ class _Step:
       spec = spec_for(rows)
       block = None
       if on_nvme:
-        parts, token = parts[:-1], _from_f32(parts[-1])
+        parts, token = parts[:-1], _from_carrier(parts[-1], _TOKEN)
       parts = tuple(_from_carrier(p, self.per_leaf[i]) for p, i in zip(parts, stack_leaves))
       if on_nvme:
         # The block's NVMe rows arrive by one callback and leave by one; the streamed update
@@ -578,7 +578,7 @@ class _Step:
       if on_nvme:
         new_rows = {(stack_leaves[p], j): x for (p, j), x in block.rows().items()}
         token = self.layers.put(s, token, start, new_rows)
-        parts = (*parts, _to_f32(token))
+        parts = (*parts, _to_carrier(token))
       return stack, parts
 
     return update
@@ -730,6 +730,10 @@ class _BlockRows:
     }
 
 
+_TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
+"""The dtype of the NVMe tier's token (`nvme_tier.callbacks`; `_from_carrier` reads only dtypes):
+the token rides through the backward pass with the state, carried as float32 bits."""
+
 _CARRIERS = {8: jnp.float8_e4m3fn, 16: jnp.bfloat16, 32: jnp.float32}
 """The float dtype that carries an integer state array of each bit width through the backward
 pass."""
@@ -766,14 +770,6 @@ def _from_carrier(tree, like):
   return jax.tree.map(
     lambda x, a: x if x.dtype == a.dtype else lax.bitcast_convert_type(x, a.dtype), tree, like
   )
-
-
-def _to_f32(token):
-  return lax.bitcast_convert_type(token, jnp.float32)
-
-
-def _from_f32(x):
-  return lax.bitcast_convert_type(x, jnp.int32)
 
 
 def _empty(like, dtype):
