@@ -54,13 +54,23 @@ def model_program(args) -> None:
   args.host_memory = oo.parse_bytes(args.host_memory, "--host-memory")
   args.nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="fused_nvme_program_")
   args.moment_dtype = args.moment_dtype or "fp32"
+  args.device_leaves = tuple(x for x in args.device_leaves.split(",") if x)
   cfg = dataclasses.replace(llama.CONFIGS[args.model], attention="flash")
   window = int(args.window_fraction * gpu_speed.MEMORY[args.target])
   k = args.accumulate
   e, tx = gpu_speed.nvme_tx(cfg, args.target, args, window, None, k, args.accumulator_dtype)
   acc_dtype = units.parse_accumulator_dtype(args.accumulator_dtype)
   c = gpu_speed.compile_variant(
-    cfg, "fused_nvme", args.target, args.micro_batch, k, window, tx=tx, acc_dtype=acc_dtype
+    cfg,
+    "fused_nvme",
+    args.target,
+    args.micro_batch,
+    k,
+    window,
+    tx=tx,
+    acc_dtype=acc_dtype,
+    device_leaves=args.device_leaves,
+    slop_factor=args.xla_slop_factor,
   )
   schedule = gpu_program.parse_schedule(c.hlo)
   _, runs = gpu_speed.nvme_disk_io(c.hlo)
@@ -107,6 +117,10 @@ def main() -> None:
   parser.add_argument("--micro-batch", type=int, default=4, help="--model: sequences of 2,048")
   parser.add_argument("--moment-dtype", default=None, choices=("fp32", "bf16", "int8"))
   parser.add_argument("--accumulate", type=int, default=1, help="--model: micro-batches a step")
+  parser.add_argument(
+    "--device-leaves", default="", help="--model: stack leaves kept on the device, e.g. wq,wo"
+  )
+  parser.add_argument("--xla-slop-factor", type=int, default=None, help="--model: as gpu_speed's")
   parser.add_argument(
     "--accumulator-dtype", default="fp32", choices=("fp32", "bf16"), help="--model, --accumulate"
   )

@@ -100,6 +100,12 @@ SEQ = 2048
 GiB = 1 << 30
 MEMORY = {"h100_80gb": 84978434048, "h100_24gb": 24 * GiB, "rtx4090_24gb": 24 * GiB}
 USABLE = 0.95
+SLOP_FACTOR_HELP = (
+  "XLA's xla_gpu_memory_limit_slop_factor (default 95): XLA:GPU schedules (and rematerializes) "
+  "for 80%% of the card, less the program's device inputs and outputs, times this percentage; "
+  "stack leaves kept on the device are inputs, so raise it with them (e.g. 110) or the copies "
+  "stop overlapping compute"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +127,26 @@ class Compiled:
     return self.memory.host
 
 
-def _params(cfg: llama.Config, variant: str) -> dict:
+def _params(cfg: llama.Config, variant: str, device_leaves: tuple[str, ...] = ()) -> dict:
+  """The abstract bf16 params of `variant`; with the stack in host memory, its leaves named in
+  `device_leaves` stay on the device (with a fused step, their accumulators too)."""
   on_host = variant in STACK_ON_HOST
-  return llama.abstract_params(
+  params = llama.abstract_params(
     cfg, jnp.bfloat16, sharding=llama.DEVICE, stack_sharding=llama.HOST if on_host else None
   )
+  unknown = sorted(set(device_leaves) - set(params["layers"]))
+  if unknown:
+    raise ValueError(
+      f"--device-leaves: {', '.join(unknown)} not a leaf of the layer stack; one of "
+      f"{', '.join(params['layers'])}"
+    )
+  layers = {
+    name: (
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=llama.DEVICE) if name in device_leaves else x
+    )
+    for name, x in params["layers"].items()
+  }
+  return dict(params, layers=layers)
 
 
 def offloaded_adamw(window: int):
@@ -198,13 +219,18 @@ def compile_variant(
   window: int,
   tx=None,
   acc_dtype=jnp.float32,
+  device_leaves: tuple[str, ...] = (),
+  slop_factor: int | None = None,
 ):
   """The training step of `variant` for k micro-batches of `micro_batch` sequences, compiled
   (`tx`: the offloaded optimizer, default `offloaded_adamw`; `acc_dtype`: a fused step's
-  accumulators)."""
+  accumulators; `device_leaves`: stack leaves kept on the device, `_params`; `slop_factor`:
+  XLA's ``xla_gpu_memory_limit_slop_factor``, `SLOP_FACTOR_HELP`)."""
   tokens = jax.ShapeDtypeStruct((k, micro_batch, SEQ + 1), jnp.int32, sharding=llama.DEVICE)
-  params = _params(cfg, variant)
+  params = _params(cfg, variant, device_leaves)
   options = oo.STREAM_XLA_OPTIONS if variant != "plain_bf16" else None
+  if slop_factor is not None:
+    options = {**(options or {}), "xla_gpu_memory_limit_slop_factor": slop_factor}
   if tx is not None:
     state = oo.abstract_state(tx, params)
   elif variant == "plain_bf16":
@@ -307,7 +333,7 @@ def nvme_plan(
   if args.host_memory is None:
     raise ValueError("fused_nvme needs --host-memory (e.g. 48GiB): the plan places the state by it")
   return oo.estimate(
-    _params(cfg, "fused_nvme"),
+    _params(cfg, "fused_nvme", getattr(args, "device_leaves", ())),
     optimizer=optax.adamw(1e-4),
     master_dtype="fp32",
     moment_dtype=None if args.moment_dtype == "fp32" else args.moment_dtype,
@@ -390,7 +416,16 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
   acc_dtype = units.parse_accumulator_dtype(args.accumulator_dtype)
   e, tx = nvme_tx(cfg, target, args, window, options, k, args.accumulator_dtype)
   c = compile_variant(
-    cfg, "fused_nvme", target, args.micro_batch, k, window, tx=tx, acc_dtype=acc_dtype
+    cfg,
+    "fused_nvme",
+    target,
+    args.micro_batch,
+    k,
+    window,
+    tx=tx,
+    acc_dtype=acc_dtype,
+    device_leaves=args.device_leaves,
+    slop_factor=args.xla_slop_factor,
   )
   disk, runs = nvme_disk_io(c.hlo)
   group = nvme_group_bytes(e)
@@ -424,6 +459,8 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
     "accumulation": k,
     "accumulator_dtype": args.accumulator_dtype if k > 1 else None,
     "accumulator_bytes": e.accumulator_bytes,
+    "device_leaves": list(args.device_leaves),
+    "xla_slop_factor": args.xla_slop_factor,
     "fits": bool(fits),
     "device_bytes": c.device_bytes,
     "host_bytes": host,
@@ -630,6 +667,14 @@ def main(argv=None) -> list[dict]:
     choices=("fp32", "bf16"),
     help="fused_nvme with --accumulate above 1: the stack's accumulators in host memory (fp32)",
   )
+  parser.add_argument(
+    "--device-leaves",
+    default="",
+    help="fused_nvme: stack leaves kept on the device with their accumulators, e.g. wq,wo",
+  )
+  parser.add_argument(
+    "--xla-slop-factor", type=int, default=None, help=f"fused_nvme: {SLOP_FACTOR_HELP}"
+  )
   parser.add_argument("--depths", default="4,6", help="compiled depths (layers), extrapolated")
   parser.add_argument("--full-depth", action="store_true", help="compile the model's real depth")
   parser.add_argument("--window-fraction", type=float, default=0.1, help="offload window / card")
@@ -662,6 +707,12 @@ def main(argv=None) -> list[dict]:
       "fp32, as their host bytes count): give --variants fused_nvme with it"
     )
   args.accumulator_dtype = args.accumulator_dtype or "fp32"
+  args.device_leaves = tuple(x for x in args.device_leaves.split(",") if x)
+  if (args.device_leaves or args.xla_slop_factor) and args.variants != "fused_nvme":
+    parser.error(
+      "--device-leaves and --xla-slop-factor apply to the fused_nvme rows only: give "
+      "--variants fused_nvme"
+    )
   rows = []
   t0 = time.perf_counter()
   for target in args.targets.split(","):

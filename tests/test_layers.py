@@ -153,6 +153,22 @@ def test_per_layer_outputs_match_the_scan():
   assert got[1][0]["w"].sharding.memory_kind == "pinned_host"
 
 
+def test_leaves_on_the_device_beside_leaves_in_host_memory_stay_there():
+  # A card with room keeps some leaves of the stack: they are used in place, their gradients
+  # stay on the device, the others stream as before; the same bits as the scan.
+  def loss(scan, stack, x):
+    x, _ = scan(lambda x, p: (jnp.tanh(x @ p["w"] + p["b"]), None), x, stack)
+    return jnp.sum(x**2)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2)), static_argnums=0)
+  mixed = {"w": oo.to_pinned_host(STACK["w"]), "b": jax.device_put(STACK["b"], ON_DEVICE)}
+  got = grad(oo.offloaded_scan, mixed, X0)
+  want = grad(checkpointed_scan, STACK, X0)
+  assert_trees_equal(got, want)
+  assert got[1][0]["w"].sharding.memory_kind == "pinned_host"
+  assert got[1][0]["b"].sharding.memory_kind == "device"
+
+
 def test_closed_over_arrays_are_differentiated():
   def loss(scan, scale, stack, x):
     x, _ = scan(lambda x, p: (jnp.tanh((x * scale) @ p["w"] + p["b"]), None), x, stack)

@@ -309,3 +309,29 @@ def test_accumulator_dtype_without_accumulation_is_refused(capsys):
   # Without accumulators an estimate names no accumulator dtype.
   e = oo.estimate(13e9, param_dtype="bf16", weights_on="host", layers=40, accumulator_dtype="bf16")
   assert e.accumulator_bytes == 0 and e.accumulator_dtype is None
+
+
+def test_stack_leaves_kept_on_the_device_hold_their_nvme_state_with_the_pair():
+  # As above, with a second leaf of the stack ("v", 8 rows of 512 x 512 bf16) kept on the device:
+  # its weights leave the host budget, its state (3 MiB a row) streams with the stack's, and the
+  # pair being updated holds 2 rows of each leaf (12 MiB) beside the 2 groups (2 x 4 MiB).
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+  device = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  layer = (8, 512, 512)
+  params = {
+    "layers": {
+      "w": jax.ShapeDtypeStruct(layer, jnp.bfloat16, sharding=host),
+      "v": jax.ShapeDtypeStruct(layer, jnp.bfloat16, sharding=device),
+    }
+  }
+  e = oo.estimate(
+    params, window_bytes="9.5MiB", update_in_backward=True, master_dtype="fp32",
+    host_memory="24MiB", nvme_size="1GB",
+  )  # fmt: skip
+  MiB = 2**20
+  assert e.host_weight_bytes == 4 * MiB and e.stack_device_bytes == 4 * MiB
+  assert e.nvme_bytes == 48 * MiB and e.host_bytes == 0
+  assert e.nvme_buffer_bytes == 20 * MiB and e.host_total_bytes == 24 * MiB and e.fits
+  kept = [p for p in e.placements if p.what == "layer stack's leaves kept on the device"]
+  assert [(p.tier, p.nbytes) for p in kept] == [("device", 4 * MiB)]

@@ -126,6 +126,8 @@ class Estimate:
     accumulator_bytes: the stack's gradient accumulators in pinned host memory.
     accumulator_dtype: their dtype (`value_and_update`'s ``accumulator_dtype``), or None without
       accumulators.
+    stack_device_bytes: weights of the layer stack's leaves kept on the device (beside leaves in
+      pinned host memory: a card with room for them); counted in `param_bytes`.
     leaves: per-leaf infos when shapes were given, else None.
     plan: `make_plan`'s plan when shapes were given, else None.
   """
@@ -164,6 +166,7 @@ class Estimate:
   accumulate: int = 1
   accumulator_bytes: int = 0
   accumulator_dtype: str | None = None
+  stack_device_bytes: int = 0
   leaves: tuple[plan_lib.LeafInfo, ...] | None = dataclasses.field(default=None, repr=False)
   plan: plan_lib.Plan | None = dataclasses.field(default=None, repr=False)
 
@@ -363,6 +366,19 @@ def _param_tree(params: Any) -> Any:
   return params
 
 
+def _stack_leaves_on_device(tree: Any) -> frozenset[int]:
+  """Indices (in leaf order) of the layer stack's leaves kept on the device: leaves not in pinned
+  host memory beside a leaf that is (the same parent in the tree), with its leading (layer) axis.
+  Their state streams with the stack's in the backward pass, their weights stay on the card."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  host = {(path[:-1], x.shape[0]) for path, x in flat if _in_pinned_host(x) and len(x.shape)}
+  return frozenset(
+    i
+    for i, (path, x) in enumerate(flat)
+    if not _in_pinned_host(x) and len(x.shape) and (path[:-1], x.shape[0]) in host
+  )
+
+
 def _in_pinned_host(x: Any) -> bool:
   """Whether a param leaf (array or `jax.ShapeDtypeStruct`) is placed in pinned host memory."""
   return memory.is_pinned_host(getattr(x, "sharding", None))
@@ -560,7 +576,7 @@ def estimate(
         "jax.ShapeDtypeStruct, or an optimizer name for a bare count."
       )
     n, dtype = parse_count(params), parse_dtype(param_dtype)
-    stack = []
+    stack, on_device, device_stack_bytes = [], frozenset(), 0
     if weights_on == "host":
       if not (isinstance(layers, int) and 1 <= layers <= n):
         raise ValueError(
@@ -581,6 +597,8 @@ def estimate(
       for x in jax.tree.leaves(tree)
       if _in_pinned_host(x)
     ]
+    on_device = _stack_leaves_on_device(tree)
+    device_stack_bytes = sum(_nbytes(x) for i, x in enumerate(jax.tree.leaves(tree)) if i in on_device)
     if weights_on == "host" and not stack:
       raise ValueError(
         'weights_on="host" with shapes: give the layer stack\'s leaves a sharding with '
@@ -607,7 +625,7 @@ def estimate(
     e = base(dict(common, host_limit=state_limit))
     if stack:
       e = host_budget.with_weights_on_host(
-        e, stack, fused, accumulate, accumulators, acc_dtype.itemsize
+        e, stack, fused, accumulate, accumulators, acc_dtype.itemsize, on_device
       )
     return e
 
@@ -626,6 +644,7 @@ def estimate(
     accumulate=accumulate,
     accumulator_bytes=accumulators,
     accumulator_dtype=dtype_name(acc_dtype) if accumulators else None,
+    stack_device_bytes=device_stack_bytes,
   )
 
 

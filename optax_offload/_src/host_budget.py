@@ -196,6 +196,14 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
         f"{scan_lib.GRAD_LAYERS_ON_DEVICE} of gradients at once, each fetched one layer ahead"
       ),
     )
+  if e.stack_device_bytes:
+    add(
+      "layer stack's leaves kept on the device",
+      "device",
+      e.stack_device_bytes,
+      "the card has room for them beside the streamed layers: used in place (no link bytes), "
+      "their gradients or accumulators beside them, their state streamed with the stack's",
+    )
   if e.param_bytes or e.weights_on == "device":
     where = " outside the stack" if e.weights_on == "host" else ""
     add(
@@ -279,8 +287,10 @@ def with_weights_on_host(
   accumulate: int = 1,
   accumulators: int = 0,
   accumulator_itemsize: int = 4,
+  on_device: frozenset[int] = frozenset(),
 ) -> Estimate:
-  """`e` with the weights of `stack` ((bytes, layers, params) per leaf) in pinned host memory.
+  """`e` with the weights of `stack` ((bytes, layers, params) per leaf) in pinned host memory
+  (`on_device`: indices of the stack's leaves kept on the device, `fused_nvme_held`).
 
   After the backward pass (`update_and_apply`): the gradients live in pinned host memory too; the
   device holds `offloaded_scan.WEIGHT_LAYERS_ON_DEVICE` layers of their weights and
@@ -307,7 +317,7 @@ def with_weights_on_host(
     # The groups of a pair of layers stay in host memory until complete, beside one group read
     # ahead and one written behind (nvme_tier/layers.py with value_and_update).
     group = e.nvme_buffer_bytes // NVME_BUFFER_GROUPS
-    buffers = fused_nvme_held(e, stack) + 2 * group
+    buffers = fused_nvme_held(e, stack, on_device) + 2 * group
   if fused:
     layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
     if accumulators:  # rows of the accumulators come in with their layers' weights
@@ -336,12 +346,15 @@ def with_weights_on_host(
   )
 
 
-def fused_nvme_held(e: Estimate, stack: list[tuple[int, int, int]]) -> int:
+def fused_nvme_held(
+  e: Estimate, stack: list[tuple[int, int, int]], on_device: frozenset[int] = frozenset()
+) -> int:
   """Host bytes of the stack's NVMe state that the update in the backward pass holds at once: the
   store groups that the pair of layers in flight touches, each held until all its rows are
   written. For a bare count, two layers of it (groups of one layer row); with shapes, per NVMe leaf
-  that streams with its weights (`LeafInfo.moving_bytes`), two of its row slices (the plan's
-  pieces), or the whole leaf when it is not sliced."""
+  of the stack (streaming with its weights, `LeafInfo.moving_bytes`, or kept on the device: the
+  indices `on_device`), two of its row slices (the plan's pieces), or the whole leaf when it is
+  not sliced."""
   layers = stack[0][1]
   held = min(plan_lib.FUSED_NVME_LAYERS_HELD, layers)
   if e.plan is None:
@@ -354,7 +367,7 @@ def fused_nvme_held(e: Estimate, stack: list[tuple[int, int, int]]) -> int:
   return sum(
     min(held * slice_rows.get(i, layers), layers) * -(-leaf.held_bytes // layers)
     for i, (leaf, tier) in enumerate(zip(e.leaves, e.plan.tiers))
-    if leaf.moving_bytes and tier is plan_lib.Tier.NVME
+    if (leaf.moving_bytes or i in on_device) and tier is plan_lib.Tier.NVME
   )
 
 

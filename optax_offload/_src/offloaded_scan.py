@@ -79,10 +79,13 @@ def _set(buf, i, tree):
 
 
 def _write(buf, i, tree, rows):
-  """buf[i:i+rows] = tree in host memory (an async device->host write); `rows` 1 adds the axis."""
+  """buf[i:i+rows] = tree in the buffer's memory (in host memory an async device->host write);
+  `rows` 1 adds the axis."""
 
   def put(b, t):
-    t = jax.device_put(t if rows > 1 else t[None], HOST)
+    t = t if rows > 1 else t[None]
+    if memory.in_host(b):
+      t = jax.device_put(t, HOST)
     return lax.dynamic_update_slice_in_dim(b, t, i, 0)
 
   return jax.tree.map(put, buf, tree)
@@ -120,25 +123,31 @@ def _num_layers(stack: Any) -> int:
 
 
 def _check_on_host(stack) -> None:
-  bad = [
-    jax.tree_util.keystr(p) or "stack"
-    for p, a in jax.tree_util.tree_leaves_with_path(stack)
-    if not memory.in_host(a)
-  ]
-  if bad:
+  """A ValueError unless some leaf of the stack is in host memory (leaves on the device are used
+  in place: a card with room keeps them)."""
+  leaves = jax.tree_util.tree_leaves_with_path(stack)
+  if not any(memory.in_host(a) for _, a in leaves):
+    bad = [jax.tree_util.keystr(p) or "stack" for p, _ in leaves]
     raise ValueError(
       f"offloaded_scan: the layer stack must live in pinned host memory, but {', '.join(bad)} "
-      f"{'is' if len(bad) == 1 else 'are'} in device memory; {_HOST_HOWTO}."
+      f"{'is' if len(bad) == 1 else 'are'} in device memory; {_HOST_HOWTO}. (Leaves of the stack "
+      "may stay on the device when the card has room for them, beside others in host memory.)"
     )
 
 
-def _empty_host(stack):
-  """Uninitialised host buffers shaped like `stack`, as `lax.scan` makes its stacked outputs.
+def _empty_like(stack):
+  """Uninitialised buffers shaped like `stack`, each in its leaf's memory, as `lax.scan` makes its
+  stacked outputs.
 
-  XLA:GPU allocates them in host memory; ``jnp.zeros`` instead builds the zeros on the device and
-  copies them (measured: a device temporary the size of the stack).
+  XLA:GPU allocates the host ones in host memory; ``jnp.zeros`` instead builds the zeros on the
+  device and copies them (measured: a device temporary the size of the stack).
   """
-  return jax.tree.map(lambda a: jax.device_put(lax.empty(a.shape, a.dtype), HOST), stack)
+
+  def empty(a):
+    e = lax.empty(a.shape, a.dtype)
+    return jax.device_put(e, HOST) if memory.in_host(a) else e
+
+  return jax.tree.map(empty, stack)
 
 
 def _forward(body, consts, carry, stack, y_aval, *, save):
@@ -171,7 +180,7 @@ def _forward(body, consts, carry, stack, y_aval, *, save):
 def _backward(one, stack, g, gconsts):
   """Layers from the last to the first; returns (consts', carry's, stack's gradients)."""
   n = _num_layers(stack)
-  gstack = _empty_host(stack)
+  gstack = _empty_like(stack)
   top = n - 1
   if n % 2:  # the odd last layer alone; its gradient goes out before the loop
     w_next = _fetch(stack, max(top - 1, 0))
@@ -251,7 +260,9 @@ def offloaded_scan(
 
   Each layer's weights are copied to the device while the layer before computes, forward and
   backward (the backward recomputes each layer from its input carry, as `jax.checkpoint` does).
-  The stack never gathers on the device, and its gradient comes back in pinned host memory. Use it
+  The stack never gathers on the device, and its gradient comes back in pinned host memory. Leaves
+  of the stack that are on the device (a card with room for some of them) are used in place, and
+  their gradients stay there. Use it
   under `jax.jit`, compiled with `STREAM_XLA_OPTIONS` on a GPU (the copies are serialised
   otherwise). Arrays `body` closes over are differentiated too (`jax.closure_convert`).
 
@@ -259,13 +270,14 @@ def offloaded_scan(
     body: ``body(carry, w) -> (carry, y)`` for one layer, as for `jax.lax.scan`; `w` has the
       stack's structure without the leading axis, in device memory.
     carry: the initial carry, e.g. the hidden states (device memory).
-    stack: a pytree of arrays with a common leading layer axis, in pinned host memory.
+    stack: a pytree of arrays with a common leading layer axis, in pinned host memory (some
+      leaves may be on the device).
 
   Returns:
     ``(carry, ys)`` as `jax.lax.scan` returns them; `ys` (the stacked `y`) in device memory.
 
   Raises:
-    ValueError: when the stack is empty, its leaves disagree on the leading axis or are not in
+    ValueError: when the stack is empty, its leaves disagree on the leading axis or none is in
       host memory; the message names the leaves.
     TypeError: when `body` does not return ``(carry, y)`` with the carry's shapes and dtypes.
 
