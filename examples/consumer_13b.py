@@ -12,6 +12,15 @@ of ``python -m optax_offload plan`` (docs/consumer.md).
   python examples/consumer_13b.py --size tiny --steps 3 --nvme-dir /tmp/run1   # a CPU-sized copy
   python examples/consumer_13b.py --size tiny --steps 3 --no-nvme       # state in host memory only
 
+More tokens per update at 48 GiB of RAM (docs/consumer.md, "Speed"): 60 micro-batches of 2 x 2,048
+tokens a step, their gradients accumulated in bf16 (`value_and_update(..., accumulate=60,
+accumulator_dtype="bf16")`), 8-bit moments, and the stack's ``wq`` and ``wo`` kept on the card
+(their weights and accumulators leave the host budget; the card has room for them):
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=.95 python examples/consumer_13b.py --nvme-dir /nvme/run1 \
+      --batch 2 --accumulate 60 --accumulator-dtype bf16 --moment-dtype int8 \
+      --device-leaves wq,wo --window-bytes 1.8GiB --xla-slop-factor 115
+
 The data are the bytes of the Python standard library's source (no download; one byte, one
 token): replace `batches` with your tokenizer's output. The weights start random: load your
 checkpoint's into `init_params`'s tree instead (one leaf at a time, straight into pinned host
@@ -50,6 +59,7 @@ class Config:
   seq: int
   batch: int
   window: str | None = None  # offload's window_bytes: must hold one layer row of the largest leaf
+  accumulate: int = 1  # micro-batches per optimizer step
 
   @property
   def params(self) -> int:
@@ -70,8 +80,9 @@ SIZES = {
 }
 
 
-def shapes(cfg: Config) -> dict:
-  """The params as (shape, in pinned host memory?): the layer stack is, the rest is not."""
+def shapes(cfg: Config, device_leaves=()) -> dict:
+  """The params as (shape, in pinned host memory?): the layer stack is (but its leaves named in
+  `device_leaves`), the rest is not."""
   L, d, f, v = cfg.layers, cfg.d, cfg.ffn, cfg.vocab
   layer = {
     "attn_norm": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d),
@@ -79,7 +90,7 @@ def shapes(cfg: Config) -> dict:
   }  # fmt: skip
   return {
     "embed": ((v, d), False),
-    "layers": {k: ((L, *s), True) for k, s in layer.items()},
+    "layers": {k: ((L, *s), k not in device_leaves) for k, s in layer.items()},
     "final_norm": ((d,), False),
     "head": ((d, v), False),
   }
@@ -89,9 +100,9 @@ def _is_spec(x) -> bool:
   return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], bool)
 
 
-def init_params(cfg: Config, seed: int = 0) -> dict:
-  """bf16 params: the stack in pinned host memory, built one layer at a time on the host (the
-  13B stack, 26 GB, never passes through the card); the rest on the device."""
+def init_params(cfg: Config, seed: int = 0, device_leaves=()) -> dict:
+  """bf16 params: the stack in pinned host memory (but `device_leaves`), built one layer at a time
+  on the host (the 13B stack, 26 GB, never passes through the card); the rest on the device."""
   rng = np.random.default_rng(seed)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   host = device.with_memory_kind("pinned_host")
@@ -107,7 +118,7 @@ def init_params(cfg: Config, seed: int = 0) -> dict:
         part[...] = (rng.standard_normal(part.shape, np.float32) * 0.02).astype(part.dtype)
     return jax.device_put(out, host if on_host else device)
 
-  return jax.tree_util.tree_map_with_path(make, shapes(cfg), is_leaf=_is_spec)
+  return jax.tree_util.tree_map_with_path(make, shapes(cfg, device_leaves), is_leaf=_is_spec)
 
 
 def rms_norm(x, scale):
@@ -144,24 +155,27 @@ def loss_fn(cfg: Config, params: dict, tokens: jax.Array) -> jax.Array:
 
 
 def batches(cfg: Config):
-  """(batch, seq + 1) int32 windows of the standard library's bytes, in order."""
+  """(batch, seq + 1) int32 windows of the standard library's bytes, in order; with `accumulate`
+  k > 1, (k, batch, seq + 1): k micro-batches a step."""
   files = sorted(pathlib.Path(os.path.dirname(os.__file__)).glob("*.py"))
   text = np.frombuffer(b"".join(f.read_bytes() for f in files[:50]), np.uint8).astype(np.int32)
-  n = cfg.batch * (cfg.seq + 1)
+  shape = (cfg.batch, cfg.seq + 1) if cfg.accumulate == 1 else (cfg.accumulate, cfg.batch, cfg.seq + 1)
+  n = int(np.prod(shape))
   for start in range(0, len(text) - n, n):
-    yield jnp.asarray(text[start : start + n].reshape(cfg.batch, cfg.seq + 1))
+    yield jnp.asarray(text[start : start + n].reshape(shape))
 
 
 def plan(cfg: Config, args) -> oo.Estimate:
   """`oo.estimate` of this model and machine: the same plan as ``python -m optax_offload plan``."""
-  spec = shapes(cfg)
+  spec = shapes(cfg, args.device_leaves)
   host = jax.sharding.NamedSharding(
     jax.sharding.Mesh(jax.devices()[:1], ("d",)),
     jax.sharding.PartitionSpec(),
     memory_kind="pinned_host",
   )
+  device = host.with_memory_kind("device")
   abstract = jax.tree.map(
-    lambda s: jax.ShapeDtypeStruct(s[0], jnp.bfloat16, sharding=host if s[1] else None),
+    lambda s: jax.ShapeDtypeStruct(s[0], jnp.bfloat16, sharding=host if s[1] else device),
     spec,
     is_leaf=_is_spec,
   )
@@ -169,6 +183,9 @@ def plan(cfg: Config, args) -> oo.Estimate:
     abstract,
     optimizer=optax.adamw(args.lr),
     master_dtype="fp32",
+    moment_dtype=args.moment_dtype,
+    accumulate=cfg.accumulate,
+    accumulator_dtype=args.accumulator_dtype,
     device_memory=args.device_memory,
     memory_fraction=float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75)),
     window_bytes=cfg.window,
@@ -191,33 +208,72 @@ def main(argv=None) -> dict:
   p.add_argument("--host-limit", help="the state's host budget; default: what the plan leaves")
   p.add_argument("--nvme-dir", help="directory on the NVMe drive for the optimizer state")
   p.add_argument("--no-nvme", action="store_true", help="keep the state in host memory only")
+  p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+  p.add_argument(
+    "--accumulator-dtype", default="fp32", choices=("fp32", "bf16"), help="with --accumulate"
+  )
+  p.add_argument(
+    "--moment-dtype", default=None, choices=("bf16", "int8"), help="AdamW's moments (fp32)"
+  )
+  p.add_argument(
+    "--device-leaves", default="", help="stack leaves kept on the card, e.g. wq,wo (none)"
+  )
+  p.add_argument("--window-bytes", help="offload's window (default: the size's)")
+  p.add_argument(
+    "--xla-slop-factor",
+    type=int,
+    help="on a GPU: XLA's xla_gpu_memory_limit_slop_factor (its scheduler plans for 80%% of the "
+    "card less the device inputs, times this %%; raise it with --device-leaves, e.g. 115)",
+  )
   p.add_argument("--json", help="write the losses and bytes per tier here")
   args = p.parse_args(argv)
   if not args.no_nvme and not args.nvme_dir:
     p.error("give --nvme-dir (a directory on the NVMe drive), or --no-nvme")
   cfg = SIZES[args.size]
+  args.device_leaves = tuple(x for x in args.device_leaves.split(",") if x)
+  unknown = set(args.device_leaves) - set(shapes(cfg)["layers"])
+  if unknown:
+    p.error(f"--device-leaves: {', '.join(sorted(unknown))} not a leaf of the layer stack")
+  if args.accumulate < 1:
+    p.error("--accumulate must be at least 1")
   if args.batch is not None:
     cfg = dataclasses.replace(cfg, batch=args.batch)
+  cfg = dataclasses.replace(cfg, accumulate=args.accumulate, window=args.window_bytes or cfg.window)
   e = plan(cfg, args)
   print(f"{cfg.params:,} params; plan: {e.bytes_per_tier}, fits: {e.fits}", flush=True)
   if not e.fits:
     print("\n".join(f"  {s.tier}: {s.advice}" for s in e.shortfalls), flush=True)
   host_limit = args.host_limit if args.host_limit is not None else e.host_bytes
+  moments = {} if args.moment_dtype is None else {"moment_dtype": args.moment_dtype}
   tx = oo.offload(
     optax.adamw(args.lr),
     master_dtype=jnp.float32,
     window_bytes=cfg.window,
     host_limit=None if args.no_nvme else host_limit,
     nvme_dir=None if args.no_nvme else args.nvme_dir,
+    **moments,
   )
-  params = init_params(cfg)
+  params = init_params(cfg, device_leaves=args.device_leaves)
   state = tx.init(params)
-  step = jax.jit(oo.value_and_update(lambda p, t: loss_fn(cfg, p, t), tx), donate_argnums=(0, 1))
+  fused = oo.value_and_update(
+    lambda p, t: loss_fn(cfg, p, t),
+    tx,
+    accumulate=cfg.accumulate,
+    accumulator_dtype=args.accumulator_dtype,
+  )
+  step = jax.jit(fused, donate_argnums=(0, 1))
   losses = []
   data = batches(cfg)
+  first = next(data)
+  if jax.default_backend() == "gpu":  # the options under which the copies overlap compute
+    options = dict(oo.STREAM_XLA_OPTIONS)
+    if args.xla_slop_factor is not None:
+      options["xla_gpu_memory_limit_slop_factor"] = args.xla_slop_factor
+    step = step.lower(params, state, first).compile(compiler_options=options)
   for i in range(args.steps):
     t0 = time.perf_counter()
-    loss, params, state = step(params, state, next(data))
+    tokens = first if i == 0 else next(data)
+    loss, params, state = step(params, state, tokens)
     losses.append(float(loss))
     print(f"step {i}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.1f} s)", flush=True)
   oo.sync_nvme(state)

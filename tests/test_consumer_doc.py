@@ -32,6 +32,9 @@ NVME_PLAN_FIGURES = (
 )  # test_the_nvme_plan_...
 # The --host-memory of speed.md's accumulation rows (modelled once, by the commands there).
 ACCUMULATION_FIGURES = ("58 GiB", "59 GiB")
+# speed.md's 48 GiB rows with wq and wo on the card: plan bytes pinned by
+# test_the_rows_with_leaves_kept_on_the_card, the card's bytes compiled once (in speed.md).
+KEPT_FIGURES = ("47.44 GiB", "48.89 GiB", "21.4 GiB")
 _PAIR = re.compile(r"```sh\n(python -m optax_offload plan .*?)```\n\n```text\n(.*?)```", re.S)
 
 
@@ -83,7 +86,9 @@ def test_the_page_shows_each_plan_as_printed(page_machine):
   # Every size and rate the prose states comes from those outputs.
   prose = _PAIR.sub("", text)
   for figure in re.findall(r"\d+(?:\.\d+)? GiB|\d[\d,]* tokens/s", prose):
-    cited = figure in WINDOW_FIGURES + SPEED_PAGE_FIGURES + NVME_PLAN_FIGURES + ACCUMULATION_FIGURES
+    cited = figure in (
+      WINDOW_FIGURES + SPEED_PAGE_FIGURES + NVME_PLAN_FIGURES + ACCUMULATION_FIGURES + KEPT_FIGURES
+    )
     assert cited or any(figure in o for o in outputs), figure
 
 
@@ -226,3 +231,41 @@ def test_the_accumulation_figures_it_cites():
     cells = [c.strip(" *") for c in line.strip("|").split("|")]
     assert cells[7] == cited[0] and cells[5].startswith(cited[1].split()[0])
     assert cited[0] in page and cited[1] in page
+
+
+KEPT_ON_THE_CARD_ROWS = [
+  # (moments, micro-batches, NVMe, host, disk busy, fits): speed.md's 48 GiB table, micro-batches
+  # of 2 x 2,048, wq and wo kept on the device, a 7.5% window; plan bytes and disk seconds pinned.
+  ("int8", 60, "73.11 GiB", "47.44 GiB", "62.9 s", True),
+  ("bf16", 60, "96.98 GiB", "48.89 GiB", "83.4 s", False),
+]
+
+
+@pytest.mark.parametrize("moments, k, nvme, host, disk_s, fits", KEPT_ON_THE_CARD_ROWS)
+def test_the_rows_with_leaves_kept_on_the_card(moments, k, nvme, host, disk_s, fits, page_machine):
+  import argparse
+
+  import optax_offload as oo
+  from benchmarks import gpu_speed
+  from benchmarks import llama
+  from optax_offload._src.units import format_bytes
+
+  args = argparse.Namespace(
+    host_memory=48 << 30, moment_dtype=moments, nvme_dir=page_machine, device_leaves=("wq", "wo")
+  )
+  window = int(0.075 * gpu_speed.MEMORY["rtx4090_24gb"])
+  e = gpu_speed.nvme_plan(llama.CONFIGS["13B"], "rtx4090_24gb", args, window, k, "bf16")
+  assert (format_bytes(e.nvme_bytes), format_bytes(e.host_total_bytes)) == (nvme, host)
+  assert (e.host_total_bytes <= 48 << 30) == fits
+  assert e.stack_device_bytes == 2 * 40 * 5120 * 5120 * 2  # wq and wo, bf16
+  hw = oo.hardware("rtx4090_24gb", "desktop")
+  assert f"{e.nvme_bytes / hw.nvme_read + e.nvme_bytes / hw.nvme_write:.1f} s" == disk_s
+  label = {"bf16": "bf16 moments", "int8": "8-bit moments"}[moments]
+  speed = (ROOT / "docs" / "speed.md").read_text()
+  rows = [r for r in speed.splitlines() if r.startswith(f"| {label}, {k} x 2 x 2,048 ")]
+  assert rows, (label, k)
+  for row in rows:
+    cells = [c.strip(" *") for c in row.strip("|").split("|")]
+    assert (cells[4], cells[9], cells[8], cells[10]) == (disk_s, nvme, host, "yes" if fits else "no")
+  if moments == "int8":
+    assert all(r.split("|")[8].strip() == KEPT_FIGURES[2] for r in rows)  # the card's bytes

@@ -134,7 +134,12 @@ def host_memory_advice(e: Estimate) -> str:
     if not e.update_in_backward:
       advice += ", or update in the backward pass (--update-in-backward yes: no whole gradients)"
     elif e.accumulator_bytes:
-      advice += ", or take one micro-batch per step (--accumulate 1: no accumulators)"
+      advice += (
+        ", or take one micro-batch per step (--accumulate 1: no accumulators), or keep some of "
+        "the stack's leaves on the device when the card has room for their weights and "
+        "accumulators (plan it with shapes: oo.estimate of params with those leaves on the "
+        "device; docs/consumer.md)"
+      )
     return advice + "."
   return (
     f"the offloaded state does not fit beside the rest: give an NVMe tier (--nvme-dir) for it, "

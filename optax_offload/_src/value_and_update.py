@@ -146,8 +146,9 @@ def value_and_update(
   ``oo.offloaded_scan(body, x, params["layers"])``) is updated inside the backward pass, layer by
   layer, as each layer's gradient is computed. Its gradients never exist whole; its optimizer
   state arrives one layer ahead while the backward computes. The stack may live in pinned host
-  memory (weights offloaded too) or on the device. Use it under `jax.jit` with the params and state
-  donated.
+  memory (weights offloaded too), on the device, or partly each (a card with room keeps some of
+  its leaves: they are used in place, and their state still streams with the stack's). Use it
+  under `jax.jit` with the params and state donated.
 
   Args:
     loss_fn: ``loss_fn(params, *batch, **kwargs) -> loss`` (or ``(loss, aux)`` with `has_aux`).
@@ -158,7 +159,8 @@ def value_and_update(
       averages them (its running mean), before one update.
     accumulator_dtype: dtype of the accumulated gradients (``optax.MultiSteps``' default, float32;
       ``"bf16"`` or ``jnp.bfloat16`` halves the host memory a stack's accumulators take).
-      A stack's accumulator lives in host memory during the step.
+      A stack leaf's accumulator lives beside the leaf during the step (in host memory for a
+      leaf there, on the device for a leaf kept on the device).
 
   Returns:
     ``step(params, state, *batch, **kwargs) -> (value, params, state)``; with ``accumulate > 1``
