@@ -127,16 +127,34 @@ def rms_norm(x, scale):
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
+def attention(q, k, v):
+  """Causal multi-head attention: compiled for an NVIDIA GPU the Pallas Triton flash-attention
+  kernel (the (seq, seq) scores never leave the chip, as in docs/speed.md's programs), elsewhere
+  XLA's einsums."""
+  return lax.platform_dependent(q, k, v, cuda=_flash_attention, default=_xla_attention)
+
+
+def _flash_attention(q, k, v):
+  from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+  return pallas_attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True)
+
+
+def _xla_attention(q, k, v):
+  s, hd = q.shape[1], q.shape[-1]
+  scores = jnp.einsum("bqhe,bkhe->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
+  mask = jnp.tril(jnp.ones((s, s), bool))
+  probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(q.dtype)
+  return jnp.einsum("bhqk,bkhe->bqhe", probs, v)
+
+
 def layer(cfg: Config, x, p):
-  """One decoder layer (`benchmarks/llama.py`'s, with XLA attention)."""
+  """One decoder layer (`benchmarks/llama.py`'s)."""
   b, s, d = x.shape
   hd = d // cfg.heads
   h = rms_norm(x, p["attn_norm"])
   q, k, v = (jnp.einsum("bsd,de->bse", h, p["w" + n]).reshape(b, s, cfg.heads, hd) for n in "qkv")
-  scores = jnp.einsum("bqhe,bkhe->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
-  mask = jnp.tril(jnp.ones((s, s), bool))
-  probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(q.dtype)
-  attn = jnp.einsum("bhqk,bkhe->bqhe", probs, v).reshape(b, s, d)
+  attn = attention(q, k, v).reshape(b, s, d)
   x = x + jnp.einsum("bsd,de->bse", attn, p["wo"])
   h = rms_norm(x, p["mlp_norm"])
   gate = jnp.einsum("bsd,df->bsf", h, p["w_gate"])
@@ -159,7 +177,9 @@ def batches(cfg: Config):
   k > 1, (k, batch, seq + 1): k micro-batches a step."""
   files = sorted(pathlib.Path(os.path.dirname(os.__file__)).glob("*.py"))
   text = np.frombuffer(b"".join(f.read_bytes() for f in files[:50]), np.uint8).astype(np.int32)
-  shape = (cfg.batch, cfg.seq + 1) if cfg.accumulate == 1 else (cfg.accumulate, cfg.batch, cfg.seq + 1)
+  shape = (
+    (cfg.batch, cfg.seq + 1) if cfg.accumulate == 1 else (cfg.accumulate, cfg.batch, cfg.seq + 1)
+  )
   n = int(np.prod(shape))
   for start in range(0, len(text) - n, n):
     yield jnp.asarray(text[start : start + n].reshape(shape))

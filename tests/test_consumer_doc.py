@@ -266,6 +266,11 @@ def test_the_rows_with_leaves_kept_on_the_card(moments, k, nvme, host, disk_s, f
   assert rows, (label, k)
   for row in rows:
     cells = [c.strip(" *") for c in row.strip("|").split("|")]
-    assert (cells[4], cells[9], cells[8], cells[10]) == (disk_s, nvme, host, "yes" if fits else "no")
+    assert (cells[4], cells[9], cells[8], cells[10]) == (
+      disk_s,
+      nvme,
+      host,
+      "yes" if fits else "no",
+    )
   if moments == "int8":
     assert all(r.split("|")[8].strip() == KEPT_FIGURES[2] for r in rows)  # the card's bytes

@@ -598,7 +598,9 @@ def estimate(
       if _in_pinned_host(x)
     ]
     on_device = _stack_leaves_on_device(tree)
-    device_stack_bytes = sum(_nbytes(x) for i, x in enumerate(jax.tree.leaves(tree)) if i in on_device)
+    device_stack_bytes = sum(
+      _nbytes(x) for i, x in enumerate(jax.tree.leaves(tree)) if i in on_device
+    )
     if weights_on == "host" and not stack:
       raise ValueError(
         'weights_on="host" with shapes: give the layer stack\'s leaves a sharding with '
