@@ -103,7 +103,7 @@ USABLE = 0.95
 SLOP_FACTOR_HELP = (
   "XLA's xla_gpu_memory_limit_slop_factor (default 95): XLA:GPU schedules (and rematerializes) "
   "for 80%% of the card, less the program's device inputs and outputs, times this percentage; "
-  "stack leaves kept on the device are inputs, so raise it with them (e.g. 110) or the copies "
+  "stack leaves kept on the device are inputs, so raise it with them (e.g. 115) or the copies "
   "stop overlapping compute"
 )
 

@@ -119,11 +119,7 @@ def _rows(a: jax.Array, i, n: int) -> jax.Array:
   return jax.device_put(r, _DEVICE) if _space(a) == _HOST else r
 
 
-def _put(buf: jax.Array, i, block: jax.Array) -> jax.Array:
-  """``buf[i:i+len(block)] = block`` in the buffer's own memory."""
-  if _space(buf) == _HOST:
-    block = jax.device_put(block, _HOST)
-  return lax.dynamic_update_slice_in_dim(buf, block.astype(buf.dtype), i, 0)
+_put = layers_lib._put
 
 
 def _opaque_zeros(like: jax.Array, dtype) -> jax.Array:

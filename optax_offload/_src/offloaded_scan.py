@@ -78,17 +78,17 @@ def _set(buf, i, tree):
   return jax.tree.map(lambda b, t: lax.dynamic_update_index_in_dim(b, t, i, 0), buf, tree)
 
 
+def _put(buf, i, block):
+  """``buf[i:i+len(block)] = block`` in the buffer's own memory (in host memory an async
+  device->host write)."""
+  if memory.in_host(buf):
+    block = jax.device_put(block, HOST)
+  return lax.dynamic_update_slice_in_dim(buf, block.astype(buf.dtype), i, 0)
+
+
 def _write(buf, i, tree, rows):
-  """buf[i:i+rows] = tree in the buffer's memory (in host memory an async device->host write);
-  `rows` 1 adds the axis."""
-
-  def put(b, t):
-    t = t if rows > 1 else t[None]
-    if memory.in_host(b):
-      t = jax.device_put(t, HOST)
-    return lax.dynamic_update_slice_in_dim(b, t, i, 0)
-
-  return jax.tree.map(put, buf, tree)
+  """buf[i:i+rows] = tree, each leaf in its buffer's memory; `rows` 1 adds the axis."""
+  return jax.tree.map(lambda b, t: _put(b, i, t if rows > 1 else t[None]), buf, tree)
 
 
 def _seal(tree):
