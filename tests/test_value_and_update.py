@@ -445,3 +445,45 @@ def test_int8_state_in_host_memory_compiles_to_bitcasts_on_the_gpu():
   )
   assert not program.schedule.host_compute
   assert program.memory.host_temp == 0
+
+
+def test_stack_leaves_kept_on_the_device_never_cross_the_link_on_the_gpu():
+  # Compiled for an H100 with the attention's four leaves (bf16 [4, 64, 64]) on the device and the
+  # MLP's in pinned host memory, two micro-batches a step: no host<->device transfer carries a
+  # bf16 row of 64 x 64 (their weights, gradients and accumulators stay on the card: the master
+  # copy and momentum are fp32), while the MLP's bf16 rows of 64 x 128 still stream.
+  import re
+
+  from helpers import gpu_compile_or_skip
+
+  gpu_compile_or_skip()
+  cfg, params = decoder(4, jnp.bfloat16)
+  attention = ("wq", "wk", "wv", "wo")
+  layers = {
+    name: x if name in attention else oo.to_pinned_host(x) for name, x in params["layers"].items()
+  }
+  params = dict(params, layers=layers)
+  tx = oo.offload(optax.sgd(1e-2, momentum=0.9), master_dtype=jnp.float32, min_size=256)
+  step = oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx, accumulate=2)
+  batch = jnp.stack([tokens(0, m, 2) for m in range(2)])
+  program = oo.compile_for_gpu(
+    step,
+    params,
+    oo.abstract_state(tx, params),
+    batch,
+    donate_argnums=(0, 1),
+    target="h100_80gb",
+    xla_flags=oo.STREAM_XLA_OPTIONS,
+  )
+  schedule = program.schedule
+  moved = []
+  for comp, instrs in schedule.computations.items():
+    by_name = {i.name: i for i in instrs}
+    for copy in (c for c in schedule.copies if c.computation == comp):
+      instr = by_name[copy.name]
+      moved.append(
+        " ".join([instr.shape, *(by_name[o].shape for o in instr.operands if o in by_name)])
+      )
+  moved = " ".join(moved)
+  assert re.search(r"bf16\[\d+,64,128\]", moved)  # the MLP's rows stream
+  assert not re.search(r"bf16\[\d+,64,64\]", moved)  # the attention's never cross
