@@ -71,7 +71,7 @@ def page_machine(monkeypatch, tmp_path):
 def test_the_page_shows_each_plan_as_printed(page_machine):
   text = PAGE.read_text()
   blocks = plan_blocks(text)
-  assert len(blocks) == 5
+  assert len(blocks) == 6
   outputs = []
   for argv, shown in blocks:
     printed = run_plan(argv, page_machine)

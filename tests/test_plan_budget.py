@@ -335,3 +335,41 @@ def test_stack_leaves_kept_on_the_device_hold_their_nvme_state_with_the_pair():
   assert e.nvme_buffer_bytes == 20 * MiB and e.host_total_bytes == 24 * MiB and e.fits
   kept = [p for p in e.placements if p.what == "layer stack's leaves kept on the device"]
   assert [(p.tier, p.nbytes) for p in kept] == [("device", 4 * MiB)]
+
+
+def test_stack_on_device_takes_weights_and_accumulators_out_of_the_host_budget(capsys):
+  # 4 GB of the 26 GB of bf16 weights kept on the card: 2e9 params. The host holds 22e9 B of
+  # weights and 22e9 B of bf16 accumulators (8 micro-batches), the card those 4e9 B and their 4e9 B
+  # of gradients beside the streamed layers; the state (all 13e9 params') is as before.
+  argv = [*GOAL[:13], "128GiB", "--nvme-size", "2TB", "--accumulate", "8"]
+  argv += ["--accumulator-dtype", "bf16"]
+  whole = _json(argv, capsys)
+  d = _json([*argv, "--stack-on-device", "4GB"], capsys)
+  assert d["fits"] and d["stack_device_bytes"] == 4_000_000_000
+  assert d["accumulator_bytes"] == 22_000_000_000
+  assert d["host_total_bytes"] == (
+    22_000_000_000 + 22_000_000_000 + d["host_bytes"] + d["nvme_buffer_bytes"]
+  )
+  assert d["bytes_per_tier"]["device"] == whole["bytes_per_tier"]["device"] + 8_000_000_000 - (
+    11 * 100_000_000 + 3 * 2 * 50_000_000  # the streamed layers' share of the kept weights
+  )
+  assert d["host_bytes"] + d["nvme_bytes"] == whole["host_bytes"] + whole["nvme_bytes"]
+  kept = [p for p in d["placements"] if p["what"] == "layer stack's leaves kept on the device"]
+  assert [(p["tier"], p["nbytes"]) for p in kept] == [("device", 4_000_000_000)]
+
+
+def test_stack_on_device_is_refused_where_it_cannot_apply(capsys):
+  for argv, message in (
+    ([*GOAL, "--stack-on-device", "26GB"], "must be less than the stack's"),
+    ([*GOAL, "--stack-on-device", "lots"], "Could not parse stack_on_device"),
+    (["plan", "7B", "--stack-on-device", "1GB"], 'needs weights_on="host"'),
+  ):
+    with pytest.raises(SystemExit) as exc:
+      cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err, argv
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+  shapes = {"w": jax.ShapeDtypeStruct((4, 8, 8), jnp.bfloat16, sharding=host)}
+  with pytest.raises(ValueError, match="with shapes, give the stack's leaves kept on the device"):
+    oo.estimate(shapes, stack_on_device="1KiB")

@@ -98,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
   )
   opt("--layers", type=int, metavar="N", help="layers in the streamed stack (--weights-on host)")
   opt(
+    "--stack-on-device",
+    metavar="SIZE",
+    help="with --weights-on host: bytes of the stack's weights kept on the card (whole leaves, "
+    "e.g. 3.91GiB for a 13B's wq and wo): they and their accumulators leave the host budget, "
+    "they and their gradients take the card's memory (value_and_update uses them in place)",
+  )
+  opt(
     "--device-memory",
     metavar="SIZE",
     help="the GPU card's memory, e.g. 24GB for a 24 GB card; the plan checks the share JAX may "
@@ -277,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       update_on=args.update_on,
       weights_on=args.weights_on,
       layers=args.layers,
+      stack_on_device=args.stack_on_device,
       device_memory=args.device_memory,
       host_limit=args.host_limit,
       host_memory=args.host_memory,

@@ -398,6 +398,7 @@ def estimate(
   update_on: str = "device",
   weights_on: str = "device",
   layers: int | None = None,
+  stack_on_device: int | str | None = None,
   device_memory: int | str | None = None,
   host_limit: int | str | None = None,
   host_memory: int | str | None = None,
@@ -457,6 +458,10 @@ def estimate(
       `layers` layers; in a tree, the leaves whose sharding has ``memory_kind="pinned_host"`` are
       the stack (their leading axis is the layer axis), as `offload` decides.
     layers: the number of layers in the stack, for a bare count with ``weights_on="host"``.
+    stack_on_device: for a bare count with ``weights_on="host"``, bytes of the stack's weights kept
+      on the device (whole leaves in the model, e.g. ``"3.91GiB"`` for two attention projections
+      of a 13B): out of the host budget with their accumulators, on the device with their
+      gradients. With shapes, give those leaves a device sharding instead.
     device_memory: device memory available to JAX (bytes or ``"24GiB"``), or None not to check it.
       On GPU, JAX preallocates 75% of the card unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says
       otherwise.
@@ -583,7 +588,17 @@ def estimate(
           'weights_on="host" with a parameter count needs the number of layers in the streamed '
           f"stack (layers=, --layers), got {layers!r}."
         )
-      stack = [(n * dtype.itemsize, layers, n)]
+      kept = parse_bytes(stack_on_device or 0, "stack_on_device") // dtype.itemsize
+      if not 0 <= kept < n:
+        raise ValueError(
+          f"stack_on_device ({format_bytes(kept * dtype.itemsize)}) must be less than the stack's "
+          f"{format_bytes(n * dtype.itemsize)} of weights: keep some of its leaves on the device, "
+          "not all."
+        )
+      stack = [((n - kept) * dtype.itemsize, layers, n - kept)]
+      device_stack_bytes = kept * dtype.itemsize
+    elif stack_on_device:
+      raise ValueError('stack_on_device needs weights_on="host" (--weights-on host).')
 
     def base(c):
       return _estimate_count(n, dtype, master, moments, opt, c)
@@ -597,6 +612,11 @@ def estimate(
       for x in jax.tree.leaves(tree)
       if _in_pinned_host(x)
     ]
+    if stack_on_device:
+      raise ValueError(
+        "stack_on_device is for a bare count; with shapes, give the stack's leaves kept on the "
+        "device a device sharding (the others memory_kind='pinned_host')."
+      )
     on_device = _stack_leaves_on_device(tree)
     device_stack_bytes = sum(
       _nbytes(x) for i, x in enumerate(jax.tree.leaves(tree)) if i in on_device

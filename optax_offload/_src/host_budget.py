@@ -211,6 +211,8 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
     )
   if e.param_bytes or e.weights_on == "device":
     where = " outside the stack" if e.weights_on == "host" else ""
+    if e.stack_device_bytes:
+      where += " (and the stack's leaves kept on the device)"
     add(
       f"params and grads{where}",
       "device",

@@ -94,7 +94,13 @@ def _tiers(e: Estimate) -> list[str]:
     ]
   if e.weights_on == "host" and e.param_bytes:
     device_parts.insert(
-      0, f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack"
+      0,
+      f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack"
+      + (
+        f" (of them the stack's {fmt(e.stack_device_bytes)} kept on the device)"
+        if e.stack_device_bytes
+        else ""
+      ),
     )
   if e.window_peak and e.weights_on != "host":
     if e.update_on == "host":
