@@ -54,7 +54,7 @@ def model_program(args) -> None:
   args.host_memory = oo.parse_bytes(args.host_memory, "--host-memory")
   args.nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="fused_nvme_program_")
   args.moment_dtype = args.moment_dtype or "fp32"
-  args.device_leaves = tuple(x for x in args.device_leaves.split(",") if x)
+  args.device_leaves = gpu_speed.device_leaves_arg(args.device_leaves)
   cfg = dataclasses.replace(llama.CONFIGS[args.model], attention="flash")
   window = int(args.window_fraction * gpu_speed.MEMORY[args.target])
   k = args.accumulate

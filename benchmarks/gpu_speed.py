@@ -127,6 +127,15 @@ class Compiled:
     return self.memory.host
 
 
+def device_leaves_arg(text: str) -> tuple[str, ...]:
+  """``--device-leaves wq,wo``: the names, checked against the stack's leaves."""
+  names = tuple(x for x in text.split(",") if x)
+  unknown = sorted(set(names) - set(llama.abstract_params(llama.CONFIGS["1B"])["layers"]))
+  if unknown:
+    raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a leaf of the layer stack")
+  return names
+
+
 def _params(cfg: llama.Config, variant: str, device_leaves: tuple[str, ...] = ()) -> dict:
   """The abstract bf16 params of `variant`; with the stack in host memory, its leaves named in
   `device_leaves` stay on the device (with a fused step, their accumulators too)."""
@@ -134,12 +143,6 @@ def _params(cfg: llama.Config, variant: str, device_leaves: tuple[str, ...] = ()
   params = llama.abstract_params(
     cfg, jnp.bfloat16, sharding=llama.DEVICE, stack_sharding=llama.HOST if on_host else None
   )
-  unknown = sorted(set(device_leaves) - set(params["layers"]))
-  if unknown:
-    raise ValueError(
-      f"--device-leaves: {', '.join(unknown)} not a leaf of the layer stack; one of "
-      f"{', '.join(params['layers'])}"
-    )
   layers = {
     name: (
       jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=llama.DEVICE) if name in device_leaves else x
@@ -669,7 +672,8 @@ def main(argv=None) -> list[dict]:
   )
   parser.add_argument(
     "--device-leaves",
-    default="",
+    default=(),
+    type=device_leaves_arg,
     help="fused_nvme: stack leaves kept on the device with their accumulators, e.g. wq,wo",
   )
   parser.add_argument(
@@ -707,7 +711,6 @@ def main(argv=None) -> list[dict]:
       "fp32, as their host bytes count): give --variants fused_nvme with it"
     )
   args.accumulator_dtype = args.accumulator_dtype or "fp32"
-  args.device_leaves = tuple(x for x in args.device_leaves.split(",") if x)
   if (args.device_leaves or args.xla_slop_factor) and args.variants != "fused_nvme":
     parser.error(
       "--device-leaves and --xla-slop-factor apply to the fused_nvme rows only: give "

@@ -262,8 +262,9 @@ def test_the_rows_with_leaves_kept_on_the_card(moments, k, nvme, host, disk_s, f
   assert f"{e.nvme_bytes / hw.nvme_read + e.nvme_bytes / hw.nvme_write:.1f} s" == disk_s
   label = {"bf16": "bf16 moments", "int8": "8-bit moments"}[moments]
   speed = (ROOT / "docs" / "speed.md").read_text()
-  rows = [r for r in speed.splitlines() if r.startswith(f"| {label}, {k} x 2 x 2,048 ")]
-  assert rows, (label, k)
+  # Every row of these moments: the plan does not depend on the micro-batch count.
+  rows = [r for r in speed.splitlines() if re.match(rf"\| {label}, \d+ x 2 x 2,048\b", r)]
+  assert len(rows) == (4 if moments == "int8" else 1), (label, rows)
   for row in rows:
     cells = [c.strip(" *") for c in row.strip("|").split("|")]
     assert (cells[4], cells[9], cells[8], cells[10]) == (
@@ -272,5 +273,5 @@ def test_the_rows_with_leaves_kept_on_the_card(moments, k, nvme, host, disk_s, f
       host,
       "yes" if fits else "no",
     )
-  if moments == "int8":
-    assert all(r.split("|")[8].strip() == KEPT_FIGURES[2] for r in rows)  # the card's bytes
+  if moments == "int8":  # the card's bytes, XLA's default schedule apart
+    assert [r.split("|")[8].strip() for r in rows if "default" not in r] == [KEPT_FIGURES[2]] * 3

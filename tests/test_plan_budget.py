@@ -334,7 +334,9 @@ def test_stack_leaves_kept_on_the_device_hold_their_nvme_state_with_the_pair():
   assert e.nvme_bytes == 48 * MiB and e.host_bytes == 0
   assert e.nvme_buffer_bytes == 20 * MiB and e.host_total_bytes == 24 * MiB and e.fits
   kept = [p for p in e.placements if p.what == "layer stack's leaves kept on the device"]
-  assert [(p.tier, p.nbytes) for p in kept] == [("device", 4 * MiB)]
+  assert [(p.tier, p.nbytes) for p in kept] == [("device", 4 * MiB)]  # no whole gradients
+  for tier in ("device", "host"):  # the placements add up to the tiers
+    assert sum(p.nbytes for p in e.placements if p.tier == tier) == e.bytes_per_tier[tier], tier
 
 
 def test_stack_on_device_takes_weights_and_accumulators_out_of_the_host_budget(capsys):
@@ -355,7 +357,10 @@ def test_stack_on_device_takes_weights_and_accumulators_out_of_the_host_budget(c
   )
   assert d["host_bytes"] + d["nvme_bytes"] == whole["host_bytes"] + whole["nvme_bytes"]
   kept = [p for p in d["placements"] if p["what"] == "layer stack's leaves kept on the device"]
-  assert [(p["tier"], p["nbytes"]) for p in kept] == [("device", 4_000_000_000)]
+  assert [(p["tier"], p["nbytes"]) for p in kept] == [("device", 8_000_000_000)]  # + accumulators
+  for tier in ("device", "host"):  # the placements add up to the tiers
+    placed = sum(p["nbytes"] for p in d["placements"] if p["tier"] == tier)
+    assert placed == d["bytes_per_tier"][tier], tier
 
 
 def test_stack_on_device_is_refused_where_it_cannot_apply(capsys):

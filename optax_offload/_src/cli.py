@@ -101,8 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     "--stack-on-device",
     metavar="SIZE",
     help="with --weights-on host: bytes of the stack's weights kept on the card (whole leaves, "
-    "e.g. 3.91GiB for a 13B's wq and wo): they and their accumulators leave the host budget, "
-    "they and their gradients take the card's memory (value_and_update uses them in place)",
+    "e.g. 3.91GiB for a 13B's wq and wo): they and their accumulators leave the host budget "
+    "for the card's memory (value_and_update uses them in place)",
   )
   opt(
     "--device-memory",

@@ -137,8 +137,8 @@ def host_memory_advice(e: Estimate) -> str:
       advice += (
         ", or take one micro-batch per step (--accumulate 1: no accumulators), or keep some of "
         "the stack's leaves on the device when the card has room for their weights and "
-        "accumulators (plan it with shapes: oo.estimate of params with those leaves on the "
-        "device; docs/consumer.md)"
+        "accumulators (--stack-on-device SIZE; with shapes, oo.estimate of params with those "
+        "leaves on the device; docs/consumer.md)"
       )
     return advice + "."
   return (
@@ -201,22 +201,29 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
         f"{scan_lib.GRAD_LAYERS_ON_DEVICE} of gradients at once, each fetched one layer ahead"
       ),
     )
+  kept = e.stack_device_bytes + e.stack_device_grad_bytes
   if e.stack_device_bytes:
     add(
       "layer stack's leaves kept on the device",
       "device",
-      e.stack_device_bytes,
-      "the card has room for them beside the streamed layers: used in place (no link bytes), "
-      "their gradients or accumulators beside them, their state streamed with the stack's",
+      kept,
+      f"the card has room for them beside the streamed layers: weights "
+      f"{format_bytes(e.stack_device_bytes)} used in place (no link bytes), their "
+      + (
+        f"accumulators {format_bytes(e.stack_device_grad_bytes)} beside them"
+        if e.update_in_backward and e.accumulate > 1
+        else "gradients consumed layer by layer"
+        if e.update_in_backward
+        else f"gradients {format_bytes(e.stack_device_grad_bytes)}"
+      )
+      + "; their state streamed with the stack's",
     )
-  if e.param_bytes or e.weights_on == "device":
+  if e.param_bytes + e.grad_bytes - kept or e.weights_on == "device":
     where = " outside the stack" if e.weights_on == "host" else ""
-    if e.stack_device_bytes:
-      where += " (and the stack's leaves kept on the device)"
     add(
       f"params and grads{where}",
       "device",
-      e.param_bytes + e.grad_bytes,
+      e.param_bytes + e.grad_bytes - kept,
       "the device computes with them"
       + ("" if e.weights_on == "host" else " (--weights-on host streams a layer stack instead)"),
     )
@@ -295,9 +302,11 @@ def with_weights_on_host(
   accumulators: int = 0,
   accumulator_itemsize: int = 4,
   on_device: frozenset[int] = frozenset(),
+  kept: tuple[int, int] = (0, 0),
 ) -> Estimate:
   """`e` with the weights of `stack` ((bytes, layers, params) per leaf) in pinned host memory
-  (`on_device`: indices of the stack's leaves kept on the device, `fused_nvme_held`).
+  (`on_device`: indices of the stack's leaves kept on the device, `fused_nvme_held`; `kept`:
+  their (bytes, params)).
 
   After the backward pass (`update_and_apply`): the gradients live in pinned host memory too; the
   device holds `offloaded_scan.WEIGHT_LAYERS_ON_DEVICE` layers of their weights and
@@ -334,15 +343,19 @@ def with_weights_on_host(
       )
     host_weights = weights
     link = e.link_bytes + (2 * accumulate + 1) * weights + 2 * (accumulate - 1) * accumulators
+    # The kept leaves' gradients are consumed layer by layer too; with several micro-batches their
+    # accumulators live beside them on the device.
+    kept_grads = kept[1] * accumulator_itemsize if accumulate > 1 else 0
   else:
     layers_on_device = scan_lib.WEIGHT_LAYERS_ON_DEVICE + scan_lib.GRAD_LAYERS_ON_DEVICE
     host_weights = 2 * weights
     link = e.link_bytes + 6 * weights
+    kept_grads = kept[0]
   return dataclasses.replace(
     e,
     weights_on="host",
     param_bytes=e.param_bytes - weights,
-    grad_bytes=e.grad_bytes - weights,
+    grad_bytes=e.grad_bytes - weights - kept[0] + kept_grads,
     stack_layer_bytes=stack_layer_bytes + layers_on_device * per_layer,
     nvme_buffer_bytes=buffers,
     host_weight_bytes=host_weights,
@@ -350,6 +363,8 @@ def with_weights_on_host(
     link_bytes=link,
     accumulate=accumulate,
     accumulator_bytes=accumulators,
+    stack_device_bytes=kept[0],
+    stack_device_grad_bytes=kept_grads,
   )
 
 

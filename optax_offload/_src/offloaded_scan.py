@@ -135,19 +135,15 @@ def _check_on_host(stack) -> None:
     )
 
 
-def _empty_like(stack):
-  """Uninitialised buffers shaped like `stack`, each in its leaf's memory, as `lax.scan` makes its
-  stacked outputs.
+def _empty(like, dtype=None):
+  """An uninitialised buffer shaped like `like` (in `dtype`, default its own) in its memory, as
+  `lax.scan` makes its stacked outputs.
 
-  XLA:GPU allocates the host ones in host memory; ``jnp.zeros`` instead builds the zeros on the
+  XLA:GPU allocates a host one in host memory; ``jnp.zeros`` instead builds the zeros on the
   device and copies them (measured: a device temporary the size of the stack).
   """
-
-  def empty(a):
-    e = lax.empty(a.shape, a.dtype)
-    return jax.device_put(e, HOST) if memory.in_host(a) else e
-
-  return jax.tree.map(empty, stack)
+  e = lax.empty(jnp.shape(like), jnp.result_type(like) if dtype is None else dtype)
+  return jax.device_put(e, HOST) if memory.in_host(like) else e
 
 
 def _forward(body, consts, carry, stack, y_aval, *, save):
@@ -180,7 +176,7 @@ def _forward(body, consts, carry, stack, y_aval, *, save):
 def _backward(one, stack, g, gconsts):
   """Layers from the last to the first; returns (consts', carry's, stack's gradients)."""
   n = _num_layers(stack)
-  gstack = _empty_like(stack)
+  gstack = jax.tree.map(_empty, stack)
   top = n - 1
   if n % 2:  # the odd last layer alone; its gradient goes out before the loop
     w_next = _fetch(stack, max(top - 1, 0))

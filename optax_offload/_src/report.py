@@ -97,7 +97,8 @@ def _tiers(e: Estimate) -> list[str]:
       0,
       f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack"
       + (
-        f" (of them the stack's {fmt(e.stack_device_bytes)} kept on the device)"
+        f" (of them the stack's leaves kept on the device: {fmt(e.stack_device_bytes)} and "
+        f"{fmt(e.stack_device_grad_bytes)})"
         if e.stack_device_bytes
         else ""
       ),

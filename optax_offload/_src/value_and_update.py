@@ -45,6 +45,7 @@ from optax_offload._src import _compat
 from optax_offload._src import fused_scan
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import offload as offload_lib
+from optax_offload._src import offloaded_scan as scan_lib
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
 from optax_offload._src import stream
@@ -469,10 +470,10 @@ class _Step:
     return tuple(jnp.result_type(self.leaves[i]) for i in self.stacks[s][0])
 
   def empty_acc(self, s):
-    return tuple(_empty(self.leaves[i], self.acc_dtype) for i in self.stacks[s][0])
+    return tuple(scan_lib._empty(self.leaves[i], self.acc_dtype) for i in self.stacks[s][0])
 
   def empty_grads(self, s):
-    return tuple(_empty(self.leaves[i], jnp.result_type(self.leaves[i])) for i in self.stacks[s][0])
+    return tuple(scan_lib._empty(self.leaves[i]) for i in self.stacks[s][0])
 
   def io(self, s, n, *, acc=None, parts=False, out=None, norm=False, token=None):
     stack_leaves = self.stacks[s][0]
@@ -772,12 +773,6 @@ def _from_carrier(tree, like):
   return jax.tree.map(
     lambda x, a: x if x.dtype == a.dtype else lax.bitcast_convert_type(x, a.dtype), tree, like
   )
-
-
-def _empty(like, dtype):
-  space = getattr(jax.typeof(like), "memory_space", None)
-  x = lax.empty(jnp.shape(like), dtype)
-  return jax.device_put(x, _HOST) if space == _HOST else x
 
 
 def _opaque_zeros(like, dtype):
