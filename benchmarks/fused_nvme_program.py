@@ -42,7 +42,6 @@ import optax_offload as oo  # noqa: E402
 from benchmarks import llama  # noqa: E402
 from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
 from optax_offload._src import gpu_program  # noqa: E402
-from optax_offload._src import units  # noqa: E402
 
 GiB = 1 << 30
 
@@ -58,20 +57,7 @@ def model_program(args) -> None:
   cfg = dataclasses.replace(llama.CONFIGS[args.model], attention="flash")
   window = int(args.window_fraction * gpu_speed.MEMORY[args.target])
   k = args.accumulate
-  e, tx = gpu_speed.nvme_tx(cfg, args.target, args, window, None, k, args.accumulator_dtype)
-  acc_dtype = units.parse_accumulator_dtype(args.accumulator_dtype)
-  c = gpu_speed.compile_variant(
-    cfg,
-    "fused_nvme",
-    args.target,
-    args.micro_batch,
-    k,
-    window,
-    tx=tx,
-    acc_dtype=acc_dtype,
-    device_leaves=args.device_leaves,
-    slop_factor=args.xla_slop_factor,
-  )
+  e, c = gpu_speed.compile_nvme(cfg, args.target, args, window, None, k)
   schedule = gpu_program.parse_schedule(c.hlo)
   _, runs = gpu_speed.nvme_disk_io(c.hlo)
   per_step = sum(

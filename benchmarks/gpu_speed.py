@@ -328,6 +328,25 @@ def nvme_tx(
   return e, tx
 
 
+def compile_nvme(cfg, target: str, args, window: int, options, k: int):
+  """(`nvme_plan`, the compiled `fused_nvme` step of k micro-batches that it places), with the
+  row's ``--accumulator-dtype``, ``--device-leaves`` and ``--xla-slop-factor``."""
+  e, tx = nvme_tx(cfg, target, args, window, options, k, args.accumulator_dtype)
+  c = compile_variant(
+    cfg,
+    "fused_nvme",
+    target,
+    args.micro_batch,
+    k,
+    window,
+    tx=tx,
+    acc_dtype=units.parse_accumulator_dtype(args.accumulator_dtype),
+    device_leaves=args.device_leaves,
+    slop_factor=args.xla_slop_factor,
+  )
+  return e, c
+
+
 def nvme_plan(
   cfg, target: str, args, window: int, accumulate: int = 1, accumulator_dtype="fp32"
 ) -> oo.Estimate:
@@ -416,20 +435,7 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
     atexit.register(shutil.rmtree, nvme_dir, ignore_errors=True)
   args = argparse.Namespace(**{**vars(args), "nvme_dir": nvme_dir})
   options = oo.NvmeOptions(prefetch_depth=args.prefetch_depth, write_depth=args.write_depth)
-  acc_dtype = units.parse_accumulator_dtype(args.accumulator_dtype)
-  e, tx = nvme_tx(cfg, target, args, window, options, k, args.accumulator_dtype)
-  c = compile_variant(
-    cfg,
-    "fused_nvme",
-    target,
-    args.micro_batch,
-    k,
-    window,
-    tx=tx,
-    acc_dtype=acc_dtype,
-    device_leaves=args.device_leaves,
-    slop_factor=args.xla_slop_factor,
-  )
+  e, c = compile_nvme(cfg, target, args, window, options, k)
   disk, runs = nvme_disk_io(c.hlo)
   group = nvme_group_bytes(e)
   read_ahead, write_behind = options.prefetch_depth * group, options.write_depth * group
