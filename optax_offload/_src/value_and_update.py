@@ -533,14 +533,13 @@ class _Step:
       spec = spec_for(rows)
       block = None
       if on_nvme:
-        parts, token = parts[:-1], _from_carrier(parts[-1], _TOKEN)
-      parts = tuple(_from_carrier(p, self.per_leaf[i]) for p, i in zip(parts, stack_leaves))
-      if on_nvme:
         # The block's NVMe rows arrive by one callback and leave by one; the streamed update
         # hands them to its groups as `update_and_apply` hands it a group's NVMe arrays.
+        parts, token = parts[:-1], _from_carrier(parts[-1], _TOKEN)
         fetched, token = self.layers.fetch(s, token, start, rows)
         pos = {i: p for p, i in enumerate(stack_leaves)}
         block = _BlockRows(spec, {(pos[i], j): x for (i, j), x in fetched.items()}, token)
+      parts = tuple(_from_carrier(p, self.per_leaf[i]) for p, i in zip(parts, stack_leaves))
 
       # Host-tier state arrays stay whole (`row_offset`: their rows are read and written in place
       # by the streamed update); device-tier ones are cut to the rows here and put back after;
@@ -554,7 +553,7 @@ class _Step:
       new_w, _, new_views, token = stream.run(
         off.inner,
         layout,
-        spec_for(rows),
+        spec,
         list(g),
         shared,
         views,
