@@ -366,22 +366,16 @@ def nvme_plan(
     update_in_backward=True,
     accumulate=accumulate,
     accumulator_dtype=accumulator_dtype,
+    nvme_options=nvme_options(args),
   )
 
 
-def nvme_group_bytes(e: oo.Estimate) -> int:
-  """The largest store group's NVMe bytes: a plan group's NVMe leaves or row slices of them."""
-  best = 0
-  for unit in e.plan.units:
-    total = 0
-    for piece in unit:
-      leaf = e.leaves[piece.leaf]
-      if e.plan.tiers[piece.leaf] is not oo.Tier.NVME:
-        continue
-      share = 1.0 if piece.whole else (piece.stop - piece.start) / leaf.rows
-      total += int(leaf.held_bytes * share)
-    best = max(best, total)
-  return best
+def nvme_options(args) -> oo.NvmeOptions:
+  """The store's read-ahead and write-behind depths of the row (``--prefetch-depth``,
+  ``--write-depth``; the defaults where `args` has none)."""
+  return oo.NvmeOptions(
+    prefetch_depth=getattr(args, "prefetch_depth", 1), write_depth=getattr(args, "write_depth", 1)
+  )
 
 
 def nvme_disk_io(hlo: str) -> tuple[dict[str, tuple[float, float]], dict[str, int]]:
@@ -434,10 +428,10 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
   if not args.nvme_dir:
     atexit.register(shutil.rmtree, nvme_dir, ignore_errors=True)
   args = argparse.Namespace(**{**vars(args), "nvme_dir": nvme_dir})
-  options = oo.NvmeOptions(prefetch_depth=args.prefetch_depth, write_depth=args.write_depth)
+  options = nvme_options(args)
   e, c = compile_nvme(cfg, target, args, window, options, k)
   disk, runs = nvme_disk_io(c.hlo)
-  group = nvme_group_bytes(e)
+  group = e.nvme_group_bytes
   read_ahead, write_behind = options.prefetch_depth * group, options.write_depth * group
   if args.disk_unbounded:  # a what-if: the disk reads everything ahead, writes everything behind
     read_ahead = write_behind = None
@@ -450,9 +444,8 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
       raise AssertionError(
         f"the callbacks move {moved:.0f} bytes, the plan has {e.nvme_bytes} on NVMe"
       )
-  # Host bytes: the plan's (stack weights, state, the tier's staging buffers: one group read
-  # ahead and one written behind), plus the groups a deeper prefetch or write-behind holds.
-  host = e.host_total_bytes + (options.prefetch_depth + options.write_depth - 2) * group
+  # Host bytes: the plan's (stack weights, state, the tier's buffers for these depths).
+  host = e.host_total_bytes
   schedule = gpu_program.parse_schedule(c.hlo)
   tokens = args.micro_batch * SEQ * k
   fits = c.device_bytes <= USABLE * MEMORY[target] and host <= args.host_memory

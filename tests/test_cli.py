@@ -22,8 +22,10 @@ N = 7_000_000_000
 #     of device memory = int(0.1 * 24 GiB) = 2_576_980_377 B  ->  30_576_980_377 B
 #   offloaded: fp32 master 4 B + fp32 mu 4 B + fp32 nu 4 B per param = 84e9 B
 #     host: 64 GiB = 68_719_476_736 B; NVMe: 84e9 - 64 GiB = 15_280_523_264 B
-#     the NVMe tier's staging buffers in host memory: 3 groups of half the window,
-#     3 * (2_576_980_377 // 2) = 3_865_470_564 B  ->  host in all 72_584_947_300 B
+#     the NVMe tier's buffers in host memory: 4 groups of half the window (one read ahead, one
+#     read from, one written behind, the put's copy), 4 * (2_576_980_377 // 2) = 5_153_960_752 B,
+#     and 4 write-staging buffers of 4 MiB, 16_777_216 B: 5_170_737_968 B
+#     ->  host in all 73_890_214_704 B
 #   device shortfall: 30_576_980_377 - 24 GiB (25_769_803_776) = 4_807_176_601 B
 #   link: every offloaded byte down and up: 2 * 84e9 / 25e9 B/s = 6.72 s
 #   NVMe: 15_280_523_264 / 3e9 (read) + 15_280_523_264 / 2e9 (write) = 5.0935 + 7.6403 = 12.7338 s
@@ -31,7 +33,7 @@ HAND_WINDOW = 2_576_980_377
 HAND_DEVICE = 28_000_000_000 + HAND_WINDOW
 HAND_OFFLOADED = 84_000_000_000
 HAND_HOST = 68_719_476_736
-HAND_BUFFERS = 3_865_470_564
+HAND_BUFFERS = 5_170_737_968
 HAND_HOST_ALL = HAND_HOST + HAND_BUFFERS
 HAND_NVME = 15_280_523_264
 HAND_DEVICE_MISSING = 4_807_176_601

@@ -19,22 +19,22 @@ WINDOW_FIGURES = ("1.05 GiB", "2.37 GiB", "1.80 GiB")  # test_the_window_the_pag
 SPEED_PAGE_FIGURES = (
   "18.6 GiB",
   "18.7 GiB",
-  "18.2 GiB",
-  "17.8 GiB",
+  "18.4 GiB",
+  "17.9 GiB",
 )  # test_the_speed_page_figures_it_cites
 NVME_PLAN_FIGURES = (
   "141.80 GiB",
-  "38.84 GiB",
-  "86.72 GiB",
-  "40.98 GiB",
-  "59.49 GiB",
-  "43.96 GiB",
+  "38.33 GiB",
+  "78.91 GiB",
+  "47.50 GiB",
+  "53.60 GiB",
+  "47.90 GiB",
 )  # test_the_nvme_plan_...
 # The --host-memory of speed.md's accumulation rows (modelled once, by the commands there).
 ACCUMULATION_FIGURES = ("58 GiB", "59 GiB")
 # speed.md's 48 GiB rows with wq and wo on the card: plan bytes pinned by
 # test_the_rows_with_leaves_kept_on_the_card, the card's bytes compiled once (in speed.md).
-KEPT_FIGURES = ("47.44 GiB", "48.89 GiB", "21.4 GiB")
+KEPT_FIGURES = ("47.45 GiB", "48.89 GiB", "21.4 GiB")
 _PAIR = re.compile(r"```sh\n(python -m optax_offload plan .*?)```\n\n```text\n(.*?)```", re.S)
 
 
@@ -102,11 +102,11 @@ def test_the_speed_page_figures_it_cites():
 
 NVME_ROWS = (  # speed.md's fused_nvme rows that this page's table cites (modelled once each)
   "| `fused_nvme`, fp32 moments, 7 x 2,048 | 14,336 | 137.5 s | 11.0 s | 121.9 s | 113.4 s | 104 "
-  "| **8.1** | 18.7 GiB | 38.84 GiB | 141.80 GiB | yes |",
-  "| `fused_nvme`, bf16 moments, 7 x 2,048 | 14,336 | 89.5 s | 10.6 s | 74.6 s | 68.7 s | 160 "
-  "| **12.5** | 18.2 GiB | 40.98 GiB | 86.72 GiB | yes |",
-  "| `fused_nvme`, 8-bit moments, 7 x 2,048 | 14,336 | 70.4 s | 12.2 s | 51.1 s | 50.6 s | 204 "
-  "| **15.9** | 17.8 GiB | 43.96 GiB | 59.49 GiB | yes |",
+  "| **8.1** | 18.7 GiB | 38.33 GiB | 141.80 GiB | yes |",
+  "| `fused_nvme`, bf16 moments, 7 x 2,048 | 14,336 | 84.4 s | 10.6 s | 67.8 s | 63.5 s | 170 "
+  "| **13.3** | 18.4 GiB | 47.50 GiB | 78.91 GiB | yes |",
+  "| `fused_nvme`, 8-bit moments, 7 x 2,048 | 14,336 | 65.5 s | 12.9 s | 46.1 s | 45.6 s | 219 "
+  "| **17.1** | 17.9 GiB | 47.90 GiB | 53.60 GiB | yes |",
 )
 MOMENTS = {"fp32": "fp32 moments", "bf16": "bf16 moments", "int8": "8-bit moments"}
 
@@ -127,9 +127,9 @@ def test_the_nvme_rows_it_cites():
 @pytest.mark.parametrize(
   "moments, nvme, host, disk_s",
   [
-    ("fp32", "141.80 GiB", "38.84 GiB", "121.9 s"),
-    ("bf16", "86.72 GiB", "40.98 GiB", "74.6 s"),
-    ("int8", "59.49 GiB", "43.96 GiB", "51.1 s"),
+    ("fp32", "141.80 GiB", "38.33 GiB", "121.9 s"),
+    ("bf16", "78.91 GiB", "47.50 GiB", "67.8 s"),
+    ("int8", "53.60 GiB", "47.90 GiB", "46.1 s"),
   ],
 )
 def test_the_nvme_plan_and_disk_seconds_the_pages_state(moments, nvme, host, disk_s, page_machine):
@@ -183,10 +183,10 @@ def test_the_window_the_page_asks_for():
 ACCUMULATION_ROWS = [
   # (moments, --host-memory, micro-batches, NVMe, host, disk busy, fits): speed.md's accumulation
   # table (bf16 accumulators), whose plan bytes and disk seconds are arithmetic: pinned here.
-  ("fp32", "59 GiB", 40, "145.46 GiB", "58.81 GiB", "125.1 s", True),
-  ("bf16", "58 GiB", 40, "94.53 GiB", "57.58 GiB", "81.3 s", True),
-  ("bf16", "48 GiB", 40, "96.98 GiB", "55.14 GiB", "83.4 s", False),
-  ("int8", "58 GiB", 24, "72.19 GiB", "57.25 GiB", "62.1 s", True),
+  ("fp32", "59 GiB", 40, "145.46 GiB", "58.55 GiB", "125.1 s", True),
+  ("bf16", "58 GiB", 40, "94.53 GiB", "57.07 GiB", "81.3 s", True),
+  ("bf16", "48 GiB", 40, "96.98 GiB", "54.80 GiB", "83.4 s", False),
+  ("int8", "58 GiB", 24, "71.27 GiB", "57.40 GiB", "61.3 s", True),
 ]
 
 
@@ -236,7 +236,7 @@ def test_the_accumulation_figures_it_cites():
 KEPT_ON_THE_CARD_ROWS = [
   # (moments, micro-batches, NVMe, host, disk busy, fits): speed.md's 48 GiB table, micro-batches
   # of 2 x 2,048, wq and wo kept on the device, a 7.5% window; plan bytes and disk seconds pinned.
-  ("int8", 60, "73.11 GiB", "47.44 GiB", "62.9 s", True),
+  ("int8", 60, "73.11 GiB", "47.45 GiB", "62.9 s", True),
   ("bf16", 60, "96.98 GiB", "48.89 GiB", "83.4 s", False),
 ]
 

@@ -181,6 +181,22 @@ def test_layers_are_read_ahead_last_first_with_bounded_host_copies(fast_dir):
     # prefetch thread does not always keep up). In the cyclic order of update_and_apply the next
     # group read would rarely be the one needed next.
     assert served >= fetches // 3, after
+    # `oo.estimate` plans the same store groups, and its NVMe buffers bound what the host held:
+    # the groups open in the backward pass, the store's read-ahead and write-behind buffers (peaks
+    # apart, so at least their sum at any one time) and its write staging.
+    e = oo.estimate(
+      jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params),
+      optimizer=OPTIMIZERS["adamw"](),
+      window_bytes=SMALL_WINDOW,
+      min_size=256,
+      host_limit=0,
+      nvme_dir=fast_dir,
+      update_in_backward=True,
+      nvme_options=oo.NvmeOptions(prefetch_depth=12),
+    )
+    assert e.nvme_group_bytes == max(sum(a.nbytes for a in g) for g in tier.store.groups)
+    held = stats["peak_bytes_held"] + after["peak_buffer_bytes"]
+    assert held + tier.store._pipeline.io.staging_bytes <= e.nvme_buffer_bytes, (held, e)
   finally:
     oo.close_nvme(state)
 

@@ -690,6 +690,16 @@ def test_on_a_cpu_puts_hand_the_store_reused_page_aligned_copies(tmp_path):
     largest = max(sum(spec.nbytes for spec in group) for group in store.groups)
     extra = tier.host_buffer_bound - store.host_buffer_bound
     assert largest <= extra < largest + mmap.PAGESIZE * max(len(g) for g in store.groups)
+    # `oo.estimate` plans the same store groups, and counts the tier's buffers within its bound.
+    e = oo.estimate(
+      jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
+      optimizer=optax.adam(1e-2),
+      window_bytes=WINDOW,
+      host_limit=HOST_LIMIT,
+      nvme_dir=str(tmp_path),
+    )
+    assert e.nvme_group_bytes == largest
+    assert tier.host_buffer_bound <= e.nvme_buffer_bytes
     reference, _ = train(oo.offload(optax.adam(1e-2), window_bytes=WINDOW), make_params(), 4)
     assert bits_equal(reference, params)
   finally:

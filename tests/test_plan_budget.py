@@ -24,11 +24,13 @@ TWO_TB_FREE = 1_900_000_000_000  # a 2 TB drive, mostly free
 #     pass); per layer 650e6 B, on the device 7 layers of weights + 4 of grads = 7.15e9 B
 #   device: 7.15e9 + window = 9_082_735_283 B
 #   state 12 B x 13e9 = 156e9 B. With the update in the backward pass the NVMe tier holds a pair of
-#     layers' NVMe state in host memory, and one group read ahead and one written behind (groups of
-#     half the window, 966_367_641 B): buffers = 2 * ceil(nvme / 40) + 2 * 966_367_641
+#     layers' NVMe state in host memory, one group read ahead and one written behind (groups of
+#     half the window, 966_367_641 B), and 4 write-staging buffers of 4 MiB:
+#     buffers = 2 * ceil(nvme / 40) + 2 * 966_367_641 + 16_777_216
 #   the state in host memory h fills the rest: 26e9 + h + buffers(156e9 - h) = 48 GiB, so
-#     h * 19 / 20 = 51_539_607_552 - 26e9 - 1_932_735_282 - 156e9 / 20 = 15_806_872_270,
-#     h = 16_638_812_915.8 B (the planner lands within a few KiB below: the buffers round up)
+#     h * 19 / 20 = 51_539_607_552 - 26e9 - 1_932_735_282 - 16_777_216 - 156e9 / 20
+#     = 15_790_095_054, h = 16_621_152_688.4 B (the planner lands within a few KiB below: the
+#     buffers round up)
 GOAL = [
   "plan",
   "13B",
@@ -48,14 +50,18 @@ GOAL = [
 HAND_DEVICE_JAX = 19_327_352_832
 HAND_WINDOW = 1_932_735_283
 HAND_GROUP = 966_367_641
-HAND_BUFFERS = 3 * HAND_GROUP  # the update after the backward pass: 3 groups
-HAND_STATE_HOST = 16_638_812_915.8
+HAND_STAGING = 4 * 4 * 2**20  # NvmeOptions' 4 I/O threads, a 4 MiB write request each
+# The update after the backward pass: one group read ahead, one read from, one written behind, the
+# put's copy.
+HAND_BUFFERS = 4 * HAND_GROUP + HAND_STAGING
+HAND_STATE_HOST = 16_621_152_688.4
 STATE = 156_000_000_000
+ONE_IO_THREAD = oo.NvmeOptions(io_threads=1)
 
 
 def fused_buffers(nvme: int) -> int:
   """The NVMe tier's host buffers with the update in the backward pass (by hand, above)."""
-  return 2 * -(-nvme // 40) + 2 * HAND_GROUP
+  return 2 * -(-nvme // 40) + 2 * HAND_GROUP + HAND_STAGING
 
 
 @pytest.fixture(autouse=True)
@@ -134,9 +140,10 @@ def test_weights_that_do_not_fit_the_host_budget_never_fit(two_tb, capsys):
   out = capsys.readouterr().out
   assert "fits: NO" in out and "fits: yes" not in out
   assert "weights, gradients and accumulators on NVMe are not implemented" in out
-  # All the state on NVMe: 26e9 B of weights + buffers 2 * 3.9e9 + 2 * 966_367_641 = 35.73e9 B.
-  assert fused_buffers(STATE) == 9_732_735_282
-  assert "raise --host-memory to at least 33.28 GiB" in out
+  # All the state on NVMe: 26e9 B of weights + buffers 2 * 3.9e9 + 2 * 966_367_641 + 16_777_216
+  # = 35.75e9 B.
+  assert fused_buffers(STATE) == 9_749_512_498
+  assert "raise --host-memory to at least 33.29 GiB" in out
 
 
 def test_refusing_the_update_in_backward_leaves_no_room_for_the_grads(capsys):
@@ -249,7 +256,8 @@ def test_nvme_dir_is_checked(tmp_path, capsys, monkeypatch):
 
 def test_host_memory_with_shapes_places_the_stack_weights_first(tmp_path):
   # A stack of 8 layers of 512 x 512 bf16 in pinned host memory and a head on the device; the
-  # budget holds the weights, the buffers and part of the state.
+  # budget holds the weights, the buffers and part of the state (one I/O thread: one write
+  # request's staging, which at this size would otherwise take most of the budget).
   mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
   host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
   params = {
@@ -260,7 +268,7 @@ def test_host_memory_with_shapes_places_the_stack_weights_first(tmp_path):
   budget = weights + (24 << 20)
   e = oo.estimate(
     params, master_dtype="fp32", window_bytes="16MiB", host_memory=budget, nvme_size="1GB",
-    update_in_backward=True,
+    update_in_backward=True, nvme_options=ONE_IO_THREAD,
   )  # fmt: skip
   assert e.update_in_backward and e.host_weight_bytes == weights
   assert e.nvme_bytes > 0 and e.host_bytes > 0
@@ -285,20 +293,25 @@ def test_bad_budget_options(capsys):
 def test_fused_nvme_buffers_from_shapes_hold_two_row_slices():
   # A stack of 8 rows of 512 x 512 bf16, its state on NVMe: 3 MiB of fp32 master and moments per
   # row, 1 MiB of bf16 weights and gradients moving with it. A 9.5 MiB window holds groups of
-  # 9.5 / 2.25 = 4.2 MiB: one row each (4 MiB with its weights and gradients). The update in the
-  # backward pass holds the groups of a pair of rows (2 x 3 MiB), beside one group read ahead and
-  # one written behind (2 x 4 MiB): 14 MiB; weights 4 MiB; 18 MiB in all.
+  # 9.5 / 2.25 = 4.2 MiB: one row each (4 MiB with its weights and gradients; the store group holds
+  # the row's 3 MiB of state). The update in the backward pass holds the groups of a pair of rows
+  # (2 x 3 MiB), beside one group read ahead and one written behind (2 x 3 MiB) and one I/O
+  # thread's write staging (a request of at most a group, 3 MiB): 15 MiB; weights 4 MiB; 19 MiB.
   mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
   host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
   params = {"layers": jax.ShapeDtypeStruct((8, 512, 512), jnp.bfloat16, sharding=host)}
-  kwargs = dict(master_dtype="fp32", host_memory="24MiB", nvme_size="1GB")
+  kwargs = dict(
+    master_dtype="fp32", host_memory="24MiB", nvme_size="1GB", nvme_options=ONE_IO_THREAD
+  )
   e = oo.estimate(params, window_bytes="9.5MiB", update_in_backward=True, **kwargs)
   MiB = 2**20
   assert len(e.plan.units) == 8 and e.nvme_bytes == 24 * MiB and e.host_bytes == 0
-  assert e.nvme_buffer_bytes == 14 * MiB and e.host_total_bytes == 18 * MiB and e.fits
-  # After the backward pass instead: 3 groups of 4 MiB, and the gradients (4 MiB) in host memory.
+  assert e.nvme_group_bytes == 3 * MiB
+  assert e.nvme_buffer_bytes == 15 * MiB and e.host_total_bytes == 19 * MiB and e.fits
+  # After the backward pass instead: 4 groups of 3 MiB (one read ahead, one read from, one written
+  # behind, the put's copy) and the staging, and the gradients (4 MiB) in host memory.
   e = oo.estimate(params, window_bytes="9.5MiB", update_in_backward=False, **kwargs)
-  assert e.nvme_buffer_bytes == 12 * MiB and e.host_total_bytes == 4 * MiB + 4 * MiB + 12 * MiB
+  assert e.nvme_buffer_bytes == 15 * MiB and e.host_total_bytes == 4 * MiB + 4 * MiB + 15 * MiB
 
 
 def test_accumulator_dtype_without_accumulation_is_refused(capsys):
@@ -314,7 +327,8 @@ def test_accumulator_dtype_without_accumulation_is_refused(capsys):
 def test_stack_leaves_kept_on_the_device_hold_their_nvme_state_with_the_pair():
   # As above, with a second leaf of the stack ("v", 8 rows of 512 x 512 bf16) kept on the device:
   # its weights leave the host budget, its state (3 MiB a row) streams with the stack's, and the
-  # pair being updated holds 2 rows of each leaf (12 MiB) beside the 2 groups (2 x 4 MiB).
+  # pair being updated holds 2 rows of each leaf (12 MiB) beside the 2 groups (2 x 3 MiB) and the
+  # staging (3 MiB).
   mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
   host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
   device = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -327,12 +341,12 @@ def test_stack_leaves_kept_on_the_device_hold_their_nvme_state_with_the_pair():
   }
   e = oo.estimate(
     params, window_bytes="9.5MiB", update_in_backward=True, master_dtype="fp32",
-    host_memory="24MiB", nvme_size="1GB",
+    host_memory="25MiB", nvme_size="1GB", nvme_options=ONE_IO_THREAD,
   )  # fmt: skip
   MiB = 2**20
   assert e.host_weight_bytes == 4 * MiB and e.stack_device_bytes == 4 * MiB
   assert e.nvme_bytes == 48 * MiB and e.host_bytes == 0
-  assert e.nvme_buffer_bytes == 20 * MiB and e.host_total_bytes == 24 * MiB and e.fits
+  assert e.nvme_buffer_bytes == 21 * MiB and e.host_total_bytes == 25 * MiB and e.fits
   kept = [p for p in e.placements if p.what == "layer stack's leaves kept on the device"]
   assert [(p.tier, p.nbytes) for p in kept] == [("device", 4 * MiB)]  # no whole gradients
   for tier in ("device", "host"):  # the placements add up to the tiers

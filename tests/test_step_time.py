@@ -688,7 +688,7 @@ def test_a_compiled_nvme_step_charges_every_nvme_byte_within_the_stores_buffers(
   def model(ahead):
     return step_time.timeline(c.hlo, slow, disk=disk, read_ahead_bytes=ahead)
 
-  group = gpu_speed.nvme_group_bytes(e)
+  group = e.nvme_group_bytes
   none, one, unbounded = model(0), model(group), model(None)
   for t in (none, one, unbounded):
     assert t.disk_read_bytes == t.disk_write_bytes == e.nvme_bytes > 0

@@ -40,7 +40,6 @@ from optax_offload._src.host_budget import Placement
 from optax_offload._src.measure import Bandwidths
 from optax_offload._src.measure import free_disk
 from optax_offload._src.named_optimizers import NamedOptimizer
-from optax_offload._src.plan import NVME_BUFFER_GROUPS
 from optax_offload._src.plan import NVME_DISK_FACTOR
 from optax_offload._src.units import check_options
 from optax_offload._src.units import dtype_name
@@ -111,7 +110,9 @@ class Estimate:
     master_bytes: bytes of the master copy (part of the offloaded state).
     host_bytes: offloaded state in pinned host memory.
     nvme_bytes: offloaded state on NVMe (one generation).
-    nvme_buffer_bytes: host RAM the NVMe tier uses for staging (prefetch and write-behind).
+    nvme_buffer_bytes: host RAM the NVMe tier's buffers take at most (groups read ahead, written
+      behind and in use, and the write staging: `plan.nvme_buffer_bytes`).
+    nvme_group_bytes: bytes of the largest NVMe store group (what one read or write moves).
     link_bytes: bytes that cross the host<->device link per step.
     bandwidths: the bandwidths the step time uses.
     host_memory: the pinned host memory the run may use in all (weights, gradients, state,
@@ -158,6 +159,7 @@ class Estimate:
   link_bytes: int
   bandwidths: Bandwidths
   weights_on: str = "device"
+  nvme_group_bytes: int = 0
   stack_layer_bytes: int = 0
   host_weight_bytes: int = 0
   moment_dtype: str | None = None
@@ -416,6 +418,7 @@ def estimate(
   memory_fraction: float | None = None,
   nvme_dir: str | os.PathLike | None = None,
   nvme_size: int | str | None = None,
+  nvme_options: Any = None,
   min_size: int = 4096,
   window_bytes: int | str | None = None,
   activation_bytes: int | str = 0,
@@ -494,6 +497,8 @@ def estimate(
     nvme_dir: directory of the NVMe tier, or None; its free disk space is checked unless
       `nvme_size` is given.
     nvme_size: disk bytes for the NVMe tier; gives an NVMe tier even without `nvme_dir`.
+    nvme_options: the `NvmeOptions` (or dict) `offload` gets; its depths and I/O threads set the
+      NVMe tier's host buffers.
     min_size: leaves with fewer elements keep their state on the device.
     window_bytes: the update window; default, as in `offload`: 10% of `device_memory`, else 1 GiB.
     activation_bytes: activations and workspace to add to the device total (not estimated).
@@ -609,7 +614,7 @@ def estimate(
       raise ValueError('stack_on_device needs weights_on="host" (--weights-on host).')
 
     def base(c):
-      return _estimate_count(n, dtype, master, moments, opt, c)
+      return _estimate_count(n, dtype, master, moments, opt, c, nvme_options)
 
   else:
     tx = optimizer if opt is None else opt.factory()
@@ -636,7 +641,7 @@ def estimate(
       )
 
     def base(c):
-      return _estimate_tree(derived, master, c)
+      return _estimate_tree(derived, master, c, nvme_options)
 
   fused, why = host_budget.choose_update_in_backward(
     update_in_backward, stack, update_on, host_memory, accumulate
@@ -654,7 +659,15 @@ def estimate(
     e = base(dict(common, host_limit=state_limit))
     if stack:
       e = host_budget.with_weights_on_host(
-        e, stack, fused, accumulate, accumulators, acc_dtype.itemsize, on_device, kept_on_device
+        e,
+        stack,
+        fused,
+        accumulate,
+        accumulators,
+        acc_dtype.itemsize,
+        on_device,
+        kept_on_device,
+        nvme_options,
       )
     return e
 
@@ -702,7 +715,7 @@ def _host_returns(n: int, param_dtype: np.dtype, update_dtype: np.dtype) -> int:
 
 
 def _estimate_count(
-  n: int, dtype: np.dtype, master, moments, opt: NamedOptimizer, common
+  n: int, dtype: np.dtype, master, moments, opt: NamedOptimizer, common, nvme_options
 ) -> Estimate:
   use_master = master is not None and _count_needs_master(dtype, master)
   state_dtype = master if use_master else dtype
@@ -736,7 +749,8 @@ def _estimate_count(
     master_bytes=master_bytes,
     host_bytes=host,
     nvme_bytes=nvme,
-    nvme_buffer_bytes=NVME_BUFFER_GROUPS * min(window // 2, nvme),
+    nvme_group_bytes=min(window // 2, nvme),
+    nvme_buffer_bytes=plan_lib.nvme_buffer_bytes(min(window // 2, nvme), nvme_options),
     # update_on="host": grads go to the host, updates (in the master dtype, if any) come back.
     link_bytes=2 * offloaded if on_device else param_bytes + n * state_dtype.itemsize,
     **common,
@@ -787,17 +801,14 @@ def _tree_plan(derived: tree_plan.TreeLeaves, common) -> tree_plan.TreePlan:
     return tree_plan.place(derived, window_bytes=window, host_limit=None, nvme=False)
 
 
-def _estimate_tree(derived: tree_plan.TreeLeaves, master, common) -> Estimate:
+def _estimate_tree(derived: tree_plan.TreeLeaves, master, common, nvme_options) -> Estimate:
   t = _tree_plan(derived, common)
   plan, infos = t.plan, t.leaves
   sizes = [leaf.size for leaf in infos]
   has_master = [master is not None and master_lib.needs_master(d, master) for d in t.dtypes]
   group_bytes = plan.group_bytes(infos)
   pairs = [a + b for a, b in zip(group_bytes, group_bytes[1:])] or group_bytes
-  nvme_groups = [  # a row slice counts its own rows
-    sum(plan.piece_bytes(p, infos) for p in unit if plan.tiers[p.leaf] is plan_lib.Tier.NVME)
-    for unit in plan.units
-  ]
+  nvme_group = plan.nvme_group_bytes(infos)
   offloaded = [tier is not plan_lib.Tier.DEVICE for tier in plan.tiers]
   param_bytes = sum(s * d.itemsize for s, d in zip(sizes, t.dtypes))
   # update_on="host": grads go to the host, updates (in the master dtype, if any) come back.
@@ -829,7 +840,8 @@ def _estimate_tree(derived: tree_plan.TreeLeaves, master, common) -> Estimate:
     ),
     host_bytes=plan.bytes_per_tier["host"],
     nvme_bytes=plan.bytes_per_tier["nvme"],
-    nvme_buffer_bytes=NVME_BUFFER_GROUPS * max(nvme_groups, default=0),
+    nvme_group_bytes=nvme_group,
+    nvme_buffer_bytes=plan_lib.nvme_buffer_bytes(nvme_group, nvme_options),
     link_bytes=(
       2 * (plan.bytes_per_tier["host"] + plan.bytes_per_tier["nvme"])
       if on_device

@@ -24,7 +24,6 @@ from optax_offload._src import offloaded_scan as scan_lib
 from optax_offload._src import plan as plan_lib
 from optax_offload._src.plan import FUSED_GRAD_LAYERS_ON_DEVICE
 from optax_offload._src.plan import FUSED_WEIGHT_LAYERS_ON_DEVICE
-from optax_offload._src.plan import NVME_BUFFER_GROUPS
 from optax_offload._src.units import format_bytes
 
 if TYPE_CHECKING:  # only for annotations: estimate imports this module
@@ -258,9 +257,10 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
       e.nvme_buffer_bytes,
       (
         f"the NVMe groups of {plan_lib.FUSED_NVME_LAYERS_HELD} layers (the pair being updated in "
-        "the backward pass), one group read ahead, one written behind"
+        "the backward pass), one group read ahead, one written behind, and the write staging"
         if e.update_in_backward
-        else f"{NVME_BUFFER_GROUPS} groups: one read ahead, one written behind, one in use"
+        else "store groups read ahead, read from, written behind and copied for the next put, "
+        "and the write staging"
       ),
     )
   return tuple(out)
@@ -303,10 +303,11 @@ def with_weights_on_host(
   accumulator_itemsize: int = 4,
   on_device: frozenset[int] = frozenset(),
   kept: tuple[int, int] = (0, 0),
+  nvme_options: Any = None,
 ) -> Estimate:
   """`e` with the weights of `stack` ((bytes, layers, params) per leaf) in pinned host memory
   (`on_device`: indices of the stack's leaves kept on the device, `fused_nvme_held`; `kept`:
-  their (bytes, params)).
+  their (bytes, params); `nvme_options`: the NVMe tier's, for its buffers).
 
   After the backward pass (`update_and_apply`): the gradients live in pinned host memory too; the
   device holds `offloaded_scan.WEIGHT_LAYERS_ON_DEVICE` layers of their weights and
@@ -330,10 +331,11 @@ def with_weights_on_host(
   stack_layer_bytes = 0
   buffers = e.nvme_buffer_bytes
   if fused and e.nvme_bytes:
-    # The groups of a pair of layers stay in host memory until complete, beside one group read
-    # ahead and one written behind (nvme_tier/layers.py with value_and_update).
-    group = e.nvme_buffer_bytes // NVME_BUFFER_GROUPS
-    buffers = fused_nvme_held(e, stack, on_device) + 2 * group
+    # The groups of a pair of layers stay in host memory until complete, beside the groups read
+    # ahead and written behind (nvme_tier/layers.py with value_and_update).
+    buffers = plan_lib.nvme_buffer_bytes(
+      e.nvme_group_bytes, nvme_options, held=fused_nvme_held(e, stack, on_device)
+    )
   if fused:
     layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
     if accumulators:  # rows of the accumulators come in with their layers' weights

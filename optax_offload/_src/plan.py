@@ -11,7 +11,11 @@ import enum
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
+from optax_offload._src.nvme import chunk_io
+from optax_offload._src.nvme import format as nvme_format
+from optax_offload._src.nvme import options as nvme_options
 from optax_offload._src.units import format_bytes
 
 DEFAULT_WINDOW_FRACTION = 0.1
@@ -29,8 +33,28 @@ NVME_DISK_FACTOR = 4
 """Disk space per byte of NVMe-tier state: the store keeps the last two committed generations and
 writes up to two more (see `NvmeStore`); 3 suffices when commits keep up with writes."""
 
-NVME_BUFFER_GROUPS = 3
-"""Host buffers of the NVMe tier, in groups: one prefetched, one written behind, one in flight."""
+
+def nvme_buffer_bytes(group: int, options: Any = None, *, held: int | None = None) -> int:
+  """Most host RAM the NVMe tier's buffers take for store groups of at most `group` bytes.
+
+  The store's: ``prefetch_depth`` groups read ahead, ``write_depth`` written behind, and
+  ``io_threads`` staging buffers of one write request (`NvmeStore.host_buffer_bound`). With
+  `held` None (`update`'s groups), also the group being read from and the copy a put makes of the
+  next one (`NvmeTier.host_buffer_bound`); otherwise `held`, the groups that the update in the
+  backward pass holds open, which it reads into and writes from (`host_budget.fused_nvme_held`).
+
+  Examples:
+    >>> nvme_buffer_bytes(1 << 30) / 2**30  # 4 groups and 4 x 4 MiB of staging
+    4.015625
+  """
+  if group <= 0:
+    return 0
+  o = nvme_options.NvmeOptions.of(options)
+  # A write request is at most a chunk file, which is at most its group (rounded to blocks).
+  staging = o.io_threads * min(chunk_io.PIECE, nvme_format.round_up(min(o.chunk_bytes, group)))
+  if held is None:
+    return (o.prefetch_depth + 1 + o.write_depth + 1) * group + staging
+  return held + (o.prefetch_depth + o.write_depth) * group + staging
 
 
 FUSED_WEIGHT_LAYERS_ON_DEVICE = 7
@@ -176,6 +200,19 @@ class Plan:
   def group_bytes(self, leaves: Sequence[LeafInfo]) -> list[int]:
     """Offloaded state bytes of each group."""
     return [sum(self.piece_bytes(p, leaves) for p in unit) for unit in self.units]
+
+  def nvme_group_bytes(self, leaves: Sequence[LeafInfo]) -> int:
+    """Bytes of the largest NVMe store group: a group's NVMe leaves or their row slices (the state
+    this process holds, `LeafInfo.held_bytes`; not the params that stream with them)."""
+    best = 0
+    for unit in self.units:
+      total = 0
+      for p in unit:
+        if self.tiers[p.leaf] is Tier.NVME:
+          held, rows = leaves[p.leaf].held_bytes, leaves[p.leaf].rows
+          total += held if p.whole else -(-held * (p.stop - p.start) // rows)
+      best = max(best, total)
+    return best
 
 
 GROUP_SHARE = 4
