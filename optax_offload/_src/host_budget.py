@@ -257,7 +257,8 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
       e.nvme_buffer_bytes,
       (
         f"the NVMe groups of {plan_lib.FUSED_NVME_LAYERS_HELD} layers (the pair being updated in "
-        "the backward pass), one group read ahead, one written behind, and the write staging"
+        "the backward pass) and a copy of the pair's rows (a GPU callback's operands), one group "
+        "read ahead, one written behind, and the write staging"
         if e.update_in_backward
         else "store groups read ahead, read from, written behind and copied for the next put, "
         "and the write staging"
@@ -333,9 +334,8 @@ def with_weights_on_host(
   if fused and e.nvme_bytes:
     # The groups of a pair of layers stay in host memory until complete, beside the groups read
     # ahead and written behind (nvme_tier/layers.py with value_and_update).
-    buffers = plan_lib.nvme_buffer_bytes(
-      e.nvme_group_bytes, nvme_options, held=fused_nvme_held(e, stack, on_device)
-    )
+    held = fused_nvme_held(e, stack, on_device) + fused_nvme_block(e, stack, on_device)
+    buffers = plan_lib.nvme_buffer_bytes(e.nvme_group_bytes, nvme_options, held=held)
   if fused:
     layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
     if accumulators:  # rows of the accumulators come in with their layers' weights
@@ -390,6 +390,24 @@ def fused_nvme_held(
       slice_rows[piece.leaf] = max(slice_rows.get(piece.leaf, 0), rows)
   return sum(
     min(held * slice_rows.get(i, layers), layers) * -(-leaf.held_bytes // layers)
+    for i, (leaf, tier) in enumerate(zip(e.leaves, e.plan.tiers))
+    if (leaf.moving_bytes or i in on_device) and tier is plan_lib.Tier.NVME
+  )
+
+
+def fused_nvme_block(
+  e: Estimate, stack: list[tuple[int, int, int]], on_device: frozenset[int] = frozenset()
+) -> int:
+  """Host bytes of one block's rows of the stack's NVMe state (`plan.FUSED_NVME_LAYERS_HELD`
+  layers): the copy a callback's operands take on a GPU, where JAX copies them into host memory
+  before the callback runs (a put's new rows, before they go into the held groups; a fetch that
+  joins two row slices makes one too, never at the same time)."""
+  layers = stack[0][1]
+  rows = min(plan_lib.FUSED_NVME_LAYERS_HELD, layers)
+  if e.plan is None:
+    return rows * -(-e.nvme_bytes // layers)
+  return sum(
+    rows * -(-leaf.held_bytes // layers)
     for i, (leaf, tier) in enumerate(zip(e.leaves, e.plan.tiers))
     if (leaf.moving_bytes or i in on_device) and tier is plan_lib.Tier.NVME
   )

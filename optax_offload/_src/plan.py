@@ -41,7 +41,8 @@ def nvme_buffer_bytes(group: int, options: Any = None, *, held: int | None = Non
   ``io_threads`` staging buffers of one write request (`NvmeStore.host_buffer_bound`). With
   `held` None (`update`'s groups), also the group being read from and the copy a put makes of the
   next one (`NvmeTier.host_buffer_bound`); otherwise `held`, the groups that the update in the
-  backward pass holds open, which it reads into and writes from (`host_budget.fused_nvme_held`).
+  backward pass holds open, which it reads into and writes from, and the copy of a block's rows
+  that its callbacks take (`host_budget.fused_nvme_held`, `host_budget.fused_nvme_block`).
 
   Examples:
     >>> nvme_buffer_bytes(1 << 30) / 2**30  # 4 groups and 4 x 4 MiB of staging
@@ -70,7 +71,8 @@ pair being computed."""
 FUSED_NVME_LAYERS_HELD = 2
 """With the update in the backward pass and state in the NVMe tier, layers of the stack's NVMe state
 held in host memory at once: the tier holds the store groups of the block in flight (a pair of
-layers) until each is complete, beside one group read ahead and one written behind."""
+layers) until each is complete, beside one group read ahead and one written behind; and a block's
+rows pass through a callback (on a GPU, a copy of them in host memory)."""
 
 FUSED_ACCUMULATOR_LAYERS_ON_DEVICE = 3
 """With several micro-batches a step, layers of a stack's gradient accumulators on the device at
