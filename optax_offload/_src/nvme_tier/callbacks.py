@@ -115,7 +115,7 @@ class TracedTier:
 
     def call(device, xs, borrowed):
       if keeps and borrowed:  # the pool of the tier the state names (the token), as the put's
-        xs = [xs[0], *self.resolve(int(np.asarray(xs[0])[2])).host_copies(device, xs[1:])]
+        xs = [xs[0], *self.resolve(int(np.asarray(xs[0])[2])).host_copies(xs[1:])]
       out = callback(device, *xs)
       return [out] if single else out
 

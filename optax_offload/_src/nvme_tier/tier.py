@@ -145,11 +145,10 @@ class NvmeTier:
     elsewhere JAX's ``io_callback`` makes a copy of about that size itself)."""
     return self.store.host_buffer_bound + len(self._local_devices) * self._copy_slot
 
-  def host_copies(self, device: int, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+  def host_copies(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Copies of one device's `arrays` (a store group's shards, put), each page-aligned in one
     buffer of the tier's pool: the store writes them with direct I/O without a staging copy, and
     the buffer is reused once the store lets go of the arrays (`nvme.ReadBuffers`)."""
-    del device
     sizes = [nvme.round_up(a.nbytes, mmap.PAGESIZE) for a in arrays]
     lease = self._copies.take(max(self._copy_slot, sum(sizes)))
     out, offset = [], 0
