@@ -150,7 +150,7 @@ def scalar_zero(dtype, params: Any) -> jax.Array:
     if sharding is None or not getattr(p, "committed", False):
       continue
     if isinstance(sharding, jax.sharding.NamedSharding):
-      sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+      sharding = memory.replicated(sharding)
     else:
       sharding = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
     return jax.device_put(jnp.zeros([], dtype), sharding)

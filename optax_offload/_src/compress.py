@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from optax_offload._src import layout as layout_lib
+from optax_offload._src import memory
 from optax_offload._src import units
 
 INT8 = np.dtype("int8")
@@ -269,9 +270,7 @@ def _sharding(x: Any) -> Any:
 def _replicated(sharding: Any) -> Any:
   """A sharding on `sharding`'s devices that holds an array of any shape whole."""
   if isinstance(sharding, jax.sharding.NamedSharding):
-    return jax.sharding.NamedSharding(
-      sharding.mesh, jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind
-    )
+    return memory.replicated(sharding, sharding.memory_kind)
   return sharding
 
 

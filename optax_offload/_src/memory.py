@@ -50,6 +50,16 @@ def kind_is_host(sharding: Any) -> bool:
   return getattr(sharding, "memory_kind", None) in HOST_KINDS
 
 
+def replicated(
+  sharding: jax.sharding.NamedSharding, memory_kind: str | None = None
+) -> jax.sharding.NamedSharding:
+  """A whole copy on each device of `sharding`'s mesh (an empty PartitionSpec), in `memory_kind`
+  (None: the default memory kind)."""
+  return jax.sharding.NamedSharding(
+    sharding.mesh, jax.sharding.PartitionSpec(), memory_kind=memory_kind
+  )
+
+
 def to_space(tree: Any, space: jax.memory.Space) -> Any:
   """Every array of `tree` moved to `space` (inside `jax.jit`: a copy between memories)."""
   return jax.tree.map(lambda a: jax.device_put(a, space), tree)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_offload._src import memory
 from optax_offload._src import nvme
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
@@ -75,7 +76,7 @@ def host_sharding(sharding: Any, part_shape: tuple[int, ...], param_shape: tuple
   compiles once.
   """
   if tuple(part_shape) != tuple(param_shape) and isinstance(sharding, jax.sharding.NamedSharding):
-    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    sharding = memory.replicated(sharding)
   return sharding.with_memory_kind("pinned_host")
 
 
@@ -226,7 +227,7 @@ def state_shardings(setup: Setup, layout, abstract_inner: Any, shardings, named:
   if default is None:
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   if isinstance(default, jax.sharding.NamedSharding):
-    default = jax.sharding.NamedSharding(default.mesh, jax.sharding.PartitionSpec())
+    default = memory.replicated(default)
   elif not isinstance(default, jax.sharding.SingleDeviceSharding):
     default = jax.sharding.SingleDeviceSharding(next(iter(default.device_set)))
   default = default.with_memory_kind("device")
@@ -247,7 +248,7 @@ def state_shardings(setup: Setup, layout, abstract_inner: Any, shardings, named:
         return host_sharding(sharding, x.shape, shape)
       if tier is plan_lib.Tier.NVME or tuple(x.shape) != tuple(shape):
         if isinstance(sharding, jax.sharding.NamedSharding):
-          return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+          return memory.replicated(sharding)
         return default
       return sharding
 

@@ -12,6 +12,7 @@ from optax_offload._src.nvme.errors import StaleGenerationError
 from optax_offload._src.nvme.files import fsync_path
 from optax_offload._src.nvme.files import write_json_atomic
 from optax_offload._src.nvme.format import LeafSpec
+from optax_offload._src.nvme.format import round_up
 from optax_offload._src.nvme.format import stored_groups
 from optax_offload._src.nvme.format import ts_context
 from optax_offload._src.nvme.format import zarr3_read_spec
@@ -30,6 +31,7 @@ __all__ = (
   "StaleGenerationError",
   "fsync_path",
   "read_region",
+  "round_up",
   "stored_groups",
   "ts_context",
   "write_json_atomic",

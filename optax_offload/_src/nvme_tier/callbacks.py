@@ -107,16 +107,21 @@ class TracedTier:
     ``io_callback``, the program unchanged. `keeps`: the callback keeps its array arguments after
     the first (the token) past the call (a put, written behind); views of XLA's buffers are then
     copied into page-aligned buffers of the tier (`NvmeTier.host_copies`), which the store writes
-    with direct I/O as they are.
+    with direct I/O as they are. Such a callback is called as ``callback(device_id, tier, token,
+    *local_args)`` with the tier the token names, looked up once for the copies and the callback.
     """
     mesh = self.tier.mesh
     single = not isinstance(result_shapes, (list, tuple))
     shapes = [result_shapes] if single else list(result_shapes)
 
     def call(device, xs, borrowed):
-      if keeps and borrowed:  # the pool of the tier the state names (the token), as the put's
-        xs = [xs[0], *self.resolve(int(np.asarray(xs[0])[2])).host_copies(device, xs[1:])]
-      out = callback(device, *xs)
+      if keeps:  # the tier the state names (the token): the put's, and the pool of its copies
+        tier = self.resolve(int(np.asarray(xs[0])[2]))
+        if borrowed:
+          xs = [xs[0], *tier.host_copies(xs[1:])]
+        out = callback(device, tier, *xs)
+      else:
+        out = callback(device, *xs)
       return [out] if single else out
 
     def on_cpu(device_of, *operands):
@@ -232,9 +237,8 @@ class TracedTier:
     sg = self.tier.groups[plan_group]
     members = [(self.tier.arrays[key], rows) for key, rows in self.tier.members[sg]]
 
-    def _put(device, token, *shards):
+    def _put(device, tier, token, *shards):
       arrays = {a.name(a.number[device], rows): x for (a, rows), x in zip(members, shards)}
-      tier = self.resolve(int(token[2]))
       tier.rendezvous.put(device, sg, int(token[1]), arrays, self.tier.names[sg])
       return np.asarray(token)
 

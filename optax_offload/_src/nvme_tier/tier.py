@@ -115,7 +115,7 @@ class NvmeTier:
     self._copy_slot = (
       max(
         sum(
-          _page_round(int(np.prod(a.shard_shape(rows))) * a.dtype.itemsize)
+          nvme.round_up(int(np.prod(a.shard_shape(rows))) * a.dtype.itemsize, mmap.PAGESIZE)
           for key, rows in group
           for a in [self.arrays[key]]
         )
@@ -145,12 +145,11 @@ class NvmeTier:
     elsewhere JAX's ``io_callback`` makes a copy of about that size itself)."""
     return self.store.host_buffer_bound + len(self._local_devices) * self._copy_slot
 
-  def host_copies(self, device: int, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+  def host_copies(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Copies of one device's `arrays` (a store group's shards, put), each page-aligned in one
     buffer of the tier's pool: the store writes them with direct I/O without a staging copy, and
     the buffer is reused once the store lets go of the arrays (`nvme.ReadBuffers`)."""
-    del device
-    sizes = [_page_round(a.nbytes) for a in arrays]
+    sizes = [nvme.round_up(a.nbytes, mmap.PAGESIZE) for a in arrays]
     lease = self._copies.take(max(self._copy_slot, sum(sizes)))
     out, offset = [], 0
     for a, size in zip(arrays, sizes):
@@ -361,10 +360,6 @@ class NvmeTier:
 
   def signature(self) -> tuple[Any, ...]:
     return (self.mesh, self.members, self.arrays)
-
-
-def _page_round(nbytes: int) -> int:
-  return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _insert(i: int, part: Any, arrays: Mapping[tuple[int, int], Any]) -> Any:
