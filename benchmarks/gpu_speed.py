@@ -373,8 +373,11 @@ def nvme_plan(
 def nvme_options(args) -> oo.NvmeOptions:
   """The store's read-ahead and write-behind depths of the row (``--prefetch-depth``,
   ``--write-depth``; the defaults where `args` has none)."""
-  return oo.NvmeOptions(
-    prefetch_depth=getattr(args, "prefetch_depth", 1), write_depth=getattr(args, "write_depth", 1)
+  default = oo.NvmeOptions()
+  return dataclasses.replace(
+    default,
+    prefetch_depth=getattr(args, "prefetch_depth", default.prefetch_depth),
+    write_depth=getattr(args, "write_depth", default.write_depth),
   )
 
 

@@ -394,3 +394,26 @@ def test_stack_on_device_is_refused_where_it_cannot_apply(capsys):
   shapes = {"w": jax.ShapeDtypeStruct((4, 8, 8), jnp.bfloat16, sharding=host)}
   with pytest.raises(ValueError, match="with shapes, give the stack's leaves kept on the device"):
     oo.estimate(shapes, stack_on_device="1KiB")
+
+
+def test_the_leaves_outside_the_stack_count_their_own_nvme_buffers():
+  # With the update in the backward pass, leaves outside the stack (here a head of 12 MiB of fp32
+  # state, one store group) are updated after it as `update_and_apply` updates its groups: one
+  # read ahead, one read from, one written behind, the put's copy (4 x 12 MiB) and the staging
+  # (one 4 MiB request). The stack's pair of rows is far smaller; the plan counts the larger.
+  from optax_offload._src import plan as plan_lib
+
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+  params = {
+    "layers": jax.ShapeDtypeStruct((4, 128, 128), jnp.bfloat16, sharding=host),
+    "head": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
+  }
+  e = oo.estimate(
+    params, master_dtype="fp32", window_bytes="64MiB", host_limit=0, nvme_size="1GB",
+    update_in_backward=True, nvme_options=ONE_IO_THREAD,
+  )  # fmt: skip
+  MiB = 2**20
+  assert e.update_in_backward and e.nvme_group_bytes == 12 * MiB
+  assert e.nvme_buffer_bytes == 4 * 12 * MiB + 4 * MiB
+  assert e.nvme_buffer_bytes == plan_lib.nvme_buffer_bytes(12 * MiB, ONE_IO_THREAD)

@@ -257,8 +257,8 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
       e.nvme_buffer_bytes,
       (
         f"the NVMe groups of {plan_lib.FUSED_NVME_LAYERS_HELD} layers (the pair being updated in "
-        "the backward pass) and a copy of the pair's rows (a GPU callback's operands), one group "
-        "read ahead, one written behind, and the write staging"
+        "the backward pass) and a copy of the pair's rows (a GPU callback's operands), the groups "
+        "read ahead and written behind, and the write staging"
         if e.update_in_backward
         else "store groups read ahead, read from, written behind and copied for the next put, "
         "and the write staging"
@@ -334,8 +334,12 @@ def with_weights_on_host(
   if fused and e.nvme_bytes:
     # The groups of a pair of layers stay in host memory until complete, beside the groups read
     # ahead and written behind (nvme_tier/layers.py with value_and_update).
-    held = fused_nvme_held(e, stack, on_device) + fused_nvme_block(e, stack, on_device)
-    buffers = plan_lib.nvme_buffer_bytes(e.nvme_group_bytes, nvme_options, held=held)
+    buffers = plan_lib.nvme_buffer_bytes(
+      e.nvme_group_bytes,
+      nvme_options,
+      held=fused_nvme_held(e, stack, on_device),
+      block=fused_nvme_block(e, stack, on_device),
+    )
   if fused:
     layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
     if accumulators:  # rows of the accumulators come in with their layers' weights

@@ -88,11 +88,11 @@ def offload(
       mix leaves, and refuse it otherwise.
     nvme_options: `NvmeOptions` of the NVMe store (``prefetch_depth``, groups read ahead, default 1;
       ``write_depth``, groups written behind, default 1; ``chunk_bytes``, default 16 MiB), or a dict
-      of them. Host RAM held by the store: at most (prefetch_depth + write_depth + 1) x the largest
-      group's NVMe bytes (`NvmeStore.host_buffer_bound`). The update's callbacks add transient
-      copies of about two more groups (a fetched group is copied into the program's buffers; a put's
-      operands are copied to host arrays), and on a CPU backend the device window (`window_bytes`)
-      is host memory too.
+      of them. Host RAM held by the tier: at most (prefetch_depth + write_depth + 2) x the largest
+      group's NVMe bytes and 16 MiB of write staging (`NvmeTier.host_buffer_bound`: the store's
+      groups and the copy a put makes of its operands), more with `value_and_update` (the groups of
+      the pair of layers in flight; `oo.estimate` counts both), and on a CPU backend the device
+      window (`window_bytes`) is host memory too.
     moment_dtype: e.g. ``"bf16"``: keep the inner state's moments in this dtype on every tier,
       halving their host, link and disk bytes (`with_moment_dtype`: the float state arrays shaped
       like their param, not the master copy, counts or hyper-parameters). The update widens them,

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from optax_offload._src.nvme import chunk_io
-from optax_offload._src.nvme import format as nvme_format
 from optax_offload._src.nvme import options as nvme_options
 from optax_offload._src.units import format_bytes
 
@@ -34,15 +33,17 @@ NVME_DISK_FACTOR = 4
 writes up to two more (see `NvmeStore`); 3 suffices when commits keep up with writes."""
 
 
-def nvme_buffer_bytes(group: int, options: Any = None, *, held: int | None = None) -> int:
-  """Most host RAM the NVMe tier's buffers take for store groups of at most `group` bytes.
+def nvme_buffer_bytes(group: int, options: Any = None, *, held: int = 0, block: int = 0) -> int:
+  """Most host RAM the NVMe tier's buffers take for store groups of at most `group` bytes (to
+  within the padding the tier adds: each array rounded to 4 KiB blocks, a little more).
 
-  The store's: ``prefetch_depth`` groups read ahead, ``write_depth`` written behind, and
-  ``io_threads`` staging buffers of one write request (`NvmeStore.host_buffer_bound`). With
-  `held` None (`update`'s groups), also the group being read from and the copy a put makes of the
-  next one (`NvmeTier.host_buffer_bound`); otherwise `held`, the groups that the update in the
-  backward pass holds open, which it reads into and writes from, and the copy of a block's rows
-  that its callbacks take (`host_budget.fused_nvme_held`, `host_budget.fused_nvme_block`).
+  `update`'s groups (`NvmeTier.host_buffer_bound`): ``prefetch_depth`` groups read ahead, the one
+  read from, ``write_depth`` written behind and the copy a put makes (on a GPU, of its callback's
+  operands), and ``io_threads`` write-staging buffers of one request. With the update in the
+  backward pass (`held` > 0) the tier also holds `held`, the groups of the pair of layers in
+  flight, and a callback's copy of at most `block` bytes of their rows or one group being copied
+  from (`host_budget.fused_nvme_held`, `host_budget.fused_nvme_block`); the leaves outside the stack
+  are updated after the backward pass as `update`'s groups are, and the larger count holds.
 
   Examples:
     >>> nvme_buffer_bytes(1 << 30) / 2**30  # 4 groups and 4 x 4 MiB of staging
@@ -51,11 +52,13 @@ def nvme_buffer_bytes(group: int, options: Any = None, *, held: int | None = Non
   if group <= 0:
     return 0
   o = nvme_options.NvmeOptions.of(options)
-  # A write request is at most a chunk file, which is at most its group (rounded to blocks).
-  staging = o.io_threads * min(chunk_io.PIECE, nvme_format.round_up(min(o.chunk_bytes, group)))
-  if held is None:
-    return (o.prefetch_depth + 1 + o.write_depth + 1) * group + staging
-  return held + (o.prefetch_depth + o.write_depth) * group + staging
+  # A write request is at most a chunk file, which is at most its group.
+  staging = o.io_threads * chunk_io.request_bytes(min(o.chunk_bytes, group))
+  after = (o.prefetch_depth + 1 + o.write_depth + 1) * group + staging
+  if not held:
+    return after
+  during = held + max(block, group) + (o.prefetch_depth + o.write_depth) * group + staging
+  return max(after, during)
 
 
 FUSED_WEIGHT_LAYERS_ON_DEVICE = 7
@@ -71,7 +74,7 @@ pair being computed."""
 FUSED_NVME_LAYERS_HELD = 2
 """With the update in the backward pass and state in the NVMe tier, layers of the stack's NVMe state
 held in host memory at once: the tier holds the store groups of the block in flight (a pair of
-layers) until each is complete, beside one group read ahead and one written behind; and a block's
+layers) until each is complete, beside the groups read ahead and written behind; and a block's
 rows pass through a callback (on a GPU, a copy of them in host memory)."""
 
 FUSED_ACCUMULATOR_LAYERS_ON_DEVICE = 3

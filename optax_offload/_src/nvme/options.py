@@ -13,7 +13,9 @@ class NvmeOptions:
 
   Host RAM held by the store: at most ``(prefetch_depth + write_depth + 1)`` x the largest
   group's NVMe bytes, plus ``io_threads`` x 4 MiB of write staging and a little padding
-  (`NvmeStore.host_buffer_bound`).
+  (`NvmeStore.host_buffer_bound`); the NVMe tier holds one group more, the copy a put makes
+  (`NvmeTier.host_buffer_bound`), and `oo.estimate` counts what the update holds beside them
+  (`plan.nvme_buffer_bytes`).
 
   Attributes:
     prefetch_depth: groups read ahead of the update (0 disables prefetching).
