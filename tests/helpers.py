@@ -104,6 +104,17 @@ def gpu_compile_or_skip(module_level: bool = False) -> None:
     )
 
 
+def one_device_bf16(shape: tuple[int, ...], memory_kind: str | None = None):
+  """An abstract bf16 array on the first device, in `memory_kind` (e.g. ``"pinned_host"``, as the
+  stack `offloaded_scan` streams is placed), for `oo.estimate` with shapes."""
+  import jax
+  import jax.numpy as jnp
+
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=memory_kind)
+  return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
+
+
 def child_env(**changes: str | None) -> dict[str, str]:
   """The environment of a child: this process's, with this directory and the repository's root on
   ``PYTHONPATH``.

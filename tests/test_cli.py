@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import one_device_bf16
 
 import optax_offload as oo
 from optax_offload._src import cli
@@ -268,10 +269,8 @@ def test_weights_on_host_keeps_a_few_layers_on_the_device(capsys):
 def test_weights_on_host_from_shapes_follows_the_stack_placement():
   # The stack's leaves placed in pinned host memory (as offloaded_scan takes them): its weights and
   # gradients stream through the window with the state; the head stays on the device.
-  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
-  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
   params = {
-    "layers": jax.ShapeDtypeStruct((8, 512, 512), jnp.bfloat16, sharding=host),
+    "layers": one_device_bf16((8, 512, 512), "pinned_host"),
     "head": jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
   }
   e = oo.estimate(params, master_dtype="fp32", window_bytes="64MiB")

@@ -9,6 +9,7 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import one_device_bf16
 
 import optax_offload as oo
 from optax_offload._src import cli
@@ -259,10 +260,8 @@ def test_host_memory_with_shapes_places_the_stack_weights_first(tmp_path):
   # A stack of 8 layers of 512 x 512 bf16 in pinned host memory and a head on the device; the
   # budget holds the weights, the buffers and part of the state (one I/O thread: one write
   # request's staging, which at this size would otherwise take most of the budget).
-  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
-  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
   params = {
-    "layers": jax.ShapeDtypeStruct((8, 512, 512), jnp.bfloat16, sharding=host),
+    "layers": one_device_bf16((8, 512, 512), "pinned_host"),
     "head": jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
   }
   weights = 8 * 512 * 512 * 2  # 4 MiB; the state, 12 B/param, is 30 MiB with the head's
@@ -299,9 +298,7 @@ def test_fused_nvme_buffers_from_shapes_hold_two_row_slices():
   # (2 x 3 MiB) and a GPU callback's copy of the pair's rows (2 x 3 MiB), beside one group read
   # ahead and one written behind (2 x 3 MiB) and one I/O thread's write staging (a request of at
   # most a group, 3 MiB): 21 MiB; weights 4 MiB; 25 MiB.
-  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
-  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
-  params = {"layers": jax.ShapeDtypeStruct((8, 512, 512), jnp.bfloat16, sharding=host)}
+  params = {"layers": one_device_bf16((8, 512, 512), "pinned_host")}
   kwargs = dict(
     master_dtype="fp32", host_memory="25MiB", nvme_size="1GB", nvme_options=ONE_IO_THREAD
   )
@@ -331,14 +328,11 @@ def test_stack_leaves_kept_on_the_device_hold_their_nvme_state_with_the_pair():
   # its weights leave the host budget, its state (3 MiB a row) streams with the stack's, and the
   # pair being updated holds 2 rows of each leaf (12 MiB) and a GPU callback's copy of them
   # (12 MiB) beside the 2 groups (2 x 3 MiB) and the staging (3 MiB).
-  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
-  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
-  device = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   layer = (8, 512, 512)
   params = {
     "layers": {
-      "w": jax.ShapeDtypeStruct(layer, jnp.bfloat16, sharding=host),
-      "v": jax.ShapeDtypeStruct(layer, jnp.bfloat16, sharding=device),
+      "w": one_device_bf16(layer, "pinned_host"),
+      "v": one_device_bf16(layer),
     }
   }
   e = oo.estimate(
@@ -389,9 +383,7 @@ def test_stack_on_device_is_refused_where_it_cannot_apply(capsys):
       cli.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err, argv
-  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
-  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
-  shapes = {"w": jax.ShapeDtypeStruct((4, 8, 8), jnp.bfloat16, sharding=host)}
+  shapes = {"w": one_device_bf16((4, 8, 8), "pinned_host")}
   with pytest.raises(ValueError, match="with shapes, give the stack's leaves kept on the device"):
     oo.estimate(shapes, stack_on_device="1KiB")
 
@@ -403,10 +395,8 @@ def test_the_leaves_outside_the_stack_count_their_own_nvme_buffers():
   # (one 4 MiB request). The stack's pair of rows is far smaller; the plan counts the larger.
   from optax_offload._src import plan as plan_lib
 
-  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
-  host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
   params = {
-    "layers": jax.ShapeDtypeStruct((4, 128, 128), jnp.bfloat16, sharding=host),
+    "layers": one_device_bf16((4, 128, 128), "pinned_host"),
     "head": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
   }
   e = oo.estimate(

@@ -385,18 +385,15 @@ def fused_nvme_held(
   not sliced."""
   layers = stack[0][1]
   held = min(plan_lib.FUSED_NVME_LAYERS_HELD, layers)
+  row_bytes = _stack_nvme_row_bytes(e, layers, on_device)
   if e.plan is None:
-    return held * -(-e.nvme_bytes // layers)
+    return held * row_bytes[None]
   slice_rows = {}
   for unit in e.plan.units:
     for piece in unit:
       rows = layers if piece.start is None else piece.stop - piece.start
       slice_rows[piece.leaf] = max(slice_rows.get(piece.leaf, 0), rows)
-  return sum(
-    min(held * slice_rows.get(i, layers), layers) * -(-leaf.held_bytes // layers)
-    for i, (leaf, tier) in enumerate(zip(e.leaves, e.plan.tiers))
-    if (leaf.moving_bytes or i in on_device) and tier is plan_lib.Tier.NVME
-  )
+  return sum(min(held * slice_rows.get(i, layers), layers) * b for i, b in row_bytes.items())
 
 
 def fused_nvme_block(
@@ -408,13 +405,20 @@ def fused_nvme_block(
   joins two row slices makes one too, never at the same time)."""
   layers = stack[0][1]
   rows = min(plan_lib.FUSED_NVME_LAYERS_HELD, layers)
+  return rows * sum(_stack_nvme_row_bytes(e, layers, on_device).values())
+
+
+def _stack_nvme_row_bytes(e: Estimate, layers: int, on_device: frozenset[int]) -> dict:
+  """Bytes of one layer row of each of the stack's NVMe leaves, by leaf index: those streaming
+  with the stack's weights (`LeafInfo.moving_bytes`) or kept on the device (`on_device`). For a
+  bare count, one row of all the NVMe state, under the key None."""
   if e.plan is None:
-    return rows * -(-e.nvme_bytes // layers)
-  return sum(
-    rows * -(-leaf.held_bytes // layers)
+    return {None: -(-e.nvme_bytes // layers)}
+  return {
+    i: -(-leaf.held_bytes // layers)
     for i, (leaf, tier) in enumerate(zip(e.leaves, e.plan.tiers))
     if (leaf.moving_bytes or i in on_device) and tier is plan_lib.Tier.NVME
-  )
+  }
 
 
 def accumulator_bytes(

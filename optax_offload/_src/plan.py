@@ -198,9 +198,7 @@ class Plan:
     leaves) and its params and gradients when they live in host memory."""
     leaf = leaves[piece.leaf]
     nbytes = leaf.moving_bytes + (0 if self.tiers[piece.leaf] is Tier.DEVICE else leaf.state_bytes)
-    if piece.whole:
-      return nbytes
-    return -(-nbytes * (piece.stop - piece.start) // leaf.rows)
+    return _share(nbytes, piece, leaf)
 
   def group_bytes(self, leaves: Sequence[LeafInfo]) -> list[int]:
     """Offloaded state bytes of each group."""
@@ -209,15 +207,22 @@ class Plan:
   def nvme_group_bytes(self, leaves: Sequence[LeafInfo]) -> int:
     """Bytes of the largest NVMe store group: a group's NVMe leaves or their row slices (the state
     this process holds, `LeafInfo.held_bytes`; not the params that stream with them)."""
-    best = 0
-    for unit in self.units:
-      total = 0
-      for p in unit:
-        if self.tiers[p.leaf] is Tier.NVME:
-          held, rows = leaves[p.leaf].held_bytes, leaves[p.leaf].rows
-          total += held if p.whole else -(-held * (p.stop - p.start) // rows)
-      best = max(best, total)
-    return best
+    return max(
+      (
+        sum(
+          _share(leaves[p.leaf].held_bytes, p, leaves[p.leaf])
+          for p in unit
+          if self.tiers[p.leaf] is Tier.NVME
+        )
+        for unit in self.units
+      ),
+      default=0,
+    )
+
+
+def _share(nbytes: int, piece: Piece, leaf: LeafInfo) -> int:
+  """`nbytes` of `leaf`, or a row slice's share of them (rounded up)."""
+  return nbytes if piece.whole else -(-nbytes * (piece.stop - piece.start) // leaf.rows)
 
 
 GROUP_SHARE = 4
