@@ -342,7 +342,7 @@ def test_truncated_chunk_is_detected(tmp_path):
 
 @pytest.mark.parametrize("how", ["mount", "injected"])
 def test_full_filesystem_keeps_the_last_committed_generation(tmp_path, how):
-  with small_disk(tmp_path / "small", 1200 << 10, how) as mnt:
+  with small_disk(tmp_path / "small", 1300 << 10, how) as mnt:
     params = make_params()
     tx = oo.offload(optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(mnt))
     # 0.48 MB per generation: two fit, the third (written while two are kept) does not.

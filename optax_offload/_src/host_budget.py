@@ -251,13 +251,15 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
       "touched least (read and written once a step): what does not fit in host memory; "
       "read ahead in update order, written behind",
     )
+    # One callback a leaf; a count without shapes has the stack as one leaf.
+    copied = "the pair's rows" if e.plan is None else "the pair's rows of the largest leaf"
     add(
       "NVMe staging buffers",
       "host",
       e.nvme_buffer_bytes,
       (
         f"the NVMe groups of {plan_lib.FUSED_NVME_LAYERS_HELD} layers (the pair being updated in "
-        "the backward pass) and a copy of the pair's rows (a GPU callback's operands), the groups "
+        f"the backward pass) and a copy of {copied} (a GPU callback's operands), the groups "
         "read ahead and written behind, and the write staging"
         if e.update_in_backward
         else "store groups read ahead, read from, written behind and copied for the next put, "
@@ -378,34 +380,50 @@ def fused_nvme_held(
   e: Estimate, stack: list[tuple[int, int, int]], on_device: frozenset[int] = frozenset()
 ) -> int:
   """Host bytes of the stack's NVMe state that the update in the backward pass holds at once: the
-  store groups that the pair of layers in flight touches, each held until all its rows are
-  written. For a bare count, two layers of it (groups of one layer row); with shapes, per NVMe leaf
-  of the stack (streaming with its weights, `LeafInfo.moving_bytes`, or kept on the device: the
-  indices `on_device`), two of its row slices (the plan's pieces), or the whole leaf when it is
-  not sliced."""
+  store groups that the block of layers in flight touches, each held until all its rows are
+  written. For a bare count, one block's rows (groups of one layer row); with shapes, per NVMe
+  leaf of the stack (streaming with its weights, `LeafInfo.moving_bytes`, or kept on the device:
+  the indices `on_device`), the most rows of its slices (the plan's pieces; the whole leaf when it
+  is not sliced) that one block touches."""
   layers = stack[0][1]
-  held = min(plan_lib.FUSED_NVME_LAYERS_HELD, layers)
   row_bytes = _stack_nvme_row_bytes(e, layers, on_device)
   if e.plan is None:
-    return held * row_bytes[None]
-  slice_rows = {}
+    return min(plan_lib.FUSED_NVME_LAYERS_HELD, layers) * row_bytes[None]
+  slices: dict[int, list[tuple[int, int]]] = {}
   for unit in e.plan.units:
     for piece in unit:
-      rows = layers if piece.start is None else piece.stop - piece.start
-      slice_rows[piece.leaf] = max(slice_rows.get(piece.leaf, 0), rows)
-  return sum(min(held * slice_rows.get(i, layers), layers) * b for i, b in row_bytes.items())
+      bounds = (0, layers) if piece.start is None else (piece.start, piece.stop)
+      slices.setdefault(piece.leaf, []).append(bounds)
+  return sum(_rows_held(slices.get(i, [(0, layers)]), layers) * b for i, b in row_bytes.items())
+
+
+def _rows_held(slices: list[tuple[int, int]], layers: int) -> int:
+  """The most rows of `slices` ((start, stop) each) that one block of `fused_scan`'s backward loop
+  touches: an odd top layer alone, then the pairs ``[2j, 2j + 1]``.
+
+  Examples:
+    >>> _rows_held([(0, 5), (5, 10)], 10)  # the pair [4, 5] touches both
+    10
+    >>> _rows_held([(0, 4), (4, 8), (8, 10)], 10)
+    4
+  """
+  blocks = [(b, min(b + 2, layers)) for b in range(0, layers, 2)]
+  return max(
+    sum(stop - start for start, stop in slices if start < hi and lo < stop) for lo, hi in blocks
+  )
 
 
 def fused_nvme_block(
   e: Estimate, stack: list[tuple[int, int, int]], on_device: frozenset[int] = frozenset()
 ) -> int:
-  """Host bytes of one block's rows of the stack's NVMe state (`plan.FUSED_NVME_LAYERS_HELD`
-  layers): the copy a callback's operands take on a GPU, where JAX copies them into host memory
-  before the callback runs (a put's new rows, before they go into the held groups; a fetch that
-  joins two row slices makes one too, never at the same time)."""
+  """Host bytes of one block's rows (`plan.FUSED_NVME_LAYERS_HELD` layers) of the stack's largest
+  NVMe leaf: the copy a callback's operands take on a GPU, where JAX copies them into host memory
+  before the callback runs (one callback a leaf: `nvme_tier.layers.TracedLayers.leaf_keys`; a
+  put's new rows, before they go into the held groups; a fetch that joins two row slices makes one
+  too, never at the same time). For a bare count, one block's rows of all the NVMe state."""
   layers = stack[0][1]
   rows = min(plan_lib.FUSED_NVME_LAYERS_HELD, layers)
-  return rows * sum(_stack_nvme_row_bytes(e, layers, on_device).values())
+  return rows * max(_stack_nvme_row_bytes(e, layers, on_device).values(), default=0)
 
 
 def _stack_nvme_row_bytes(e: Estimate, layers: int, on_device: frozenset[int]) -> dict:

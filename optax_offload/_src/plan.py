@@ -75,7 +75,7 @@ FUSED_NVME_LAYERS_HELD = 2
 """With the update in the backward pass and state in the NVMe tier, layers of the stack's NVMe state
 held in host memory at once: the tier holds the store groups of the block in flight (a pair of
 layers) until each is complete, beside the groups read ahead and written behind; and a block's
-rows pass through a callback (on a GPU, a copy of them in host memory)."""
+rows of each leaf pass through a callback (on a GPU, a copy of them in host memory)."""
 
 FUSED_ACCUMULATOR_LAYERS_ON_DEVICE = 3
 """With several micro-batches a step, layers of a stack's gradient accumulators on the device at
@@ -253,8 +253,8 @@ def make_plan(
     * groups hold at most ``window_bytes / WINDOW_SLOTS`` of offloaded state each, so that the
       group being updated, the one in transit and the update's temporaries fit in the window
       together. An offloaded leaf larger than that whose `LeafInfo.rows` allows it is split into
-      equal row slices (dividing the rows if that takes at most 1.5x the fewest slices, else of the
-      most rows that fit with the remainder last), each a group of
+      equal row slices of one row or an even number (dividing the rows if that takes at most 1.5x
+      the fewest slices, else of the most rows that fit with the remainder last), each a group of
       its own, whatever its tier (host or NVMe: the groups,
       and so the results, do not depend on the tier); any other leaf larger than that is a group
       of its own (and exceeds the window). Leaves above a quarter of that are groups of their own;
@@ -336,12 +336,26 @@ def _pieces(leaves: Sequence[LeafInfo], tiers: Sequence[Tier], budget: int) -> l
     # Equal slices: the update runs them in one loop (`stream`), so the program does not grow with
     # their number. Slices that divide the rows when that takes at most 1.5x the fewest slices (a
     # remainder slice is unrolled beside the loop: 40 rows in 20 slices of 2, not 13 of 3 and 1);
-    # else the most rows that fit, the remainder last.
-    n = next((m for m in range(n, n + n // 2 + 1) if leaf.rows % m == 0), n)
+    # else the most rows that fit, the remainder last. A slice holds one row or an even number
+    # (`_pair_aligned`).
+    n = next(
+      (m for m in range(n, n + n // 2 + 1) if leaf.rows % m == 0 and _pair_aligned(leaf.rows // m)),
+      n,
+    )
     size = -(-leaf.rows // n)
+    if not _pair_aligned(size):
+      size -= 1
     bounds = list(range(0, leaf.rows, size)) + [leaf.rows]
     pieces.extend(Piece(i, a, b) for a, b in zip(bounds, bounds[1:]))
   return pieces
+
+
+def _pair_aligned(rows: int) -> bool:
+  """Whether row slices of `rows` rows start on the pairs of layers that the update in the backward
+  pass updates together (``[2j, 2j + 1]``, `fused_scan`): one row, or an even number. With NVMe
+  state a pair across two slices of k rows would keep both in host memory (2k rows, not k:
+  `host_budget.fused_nvme_held`)."""
+  return rows == 1 or rows % 2 == 0
 
 
 def _pack(

@@ -21,8 +21,8 @@ host memory and sums their squares, and the update runs after it, streamed.
 State in the NVMe tier (``offload(..., nvme_dir=..., host_limit=...)``): the step writes one NVMe
 generation (in the pass that updates), begun before that pass's forward and committed after the
 leaves outside the stacks. In the backward pass each block of layers fetches its rows of the
-stack's NVMe arrays by one callback and puts the new rows by one (`nvme_tier.layers`), the disk
-reading ahead in the order the backward needs them; the other leaves' NVMe groups follow, as
+stack's NVMe arrays by one callback a leaf and puts the new rows by one (`nvme_tier.layers`), the
+disk reading ahead in the order the backward needs them; the other leaves' NVMe groups follow, as
 `update_and_apply` streams them (`_Begun`). With clipping the stacks are updated after the backward
 pass, so their NVMe state streams with the other leaves'.
 """
@@ -533,10 +533,13 @@ class _Step:
       spec = spec_for(rows)
       block = None
       if on_nvme:
-        # The block's NVMe rows arrive by one callback and leave by one; the streamed update
-        # hands them to its groups as `update_and_apply` hands it a group's NVMe arrays.
+        # The block's NVMe rows arrive by one callback a leaf and leave by one; the streamed
+        # update hands them to its groups as `update_and_apply` hands it a group's NVMe arrays.
         parts, token = parts[:-1], _from_carrier(parts[-1], _TOKEN)
-        fetched, token = self.layers.fetch(s, token, start, rows)
+        fetched = {}
+        for keys in self.layers.leaf_keys(s):
+          got, token = self.layers.fetch(s, token, start, rows, keys)
+          fetched.update(got)
         pos = {i: p for p, i in enumerate(stack_leaves)}
         block = _BlockRows(spec, {(pos[i], j): x for (i, j), x in fetched.items()}, token)
       parts = tuple(_from_carrier(p, self.per_leaf[i]) for p, i in zip(parts, stack_leaves))
@@ -579,7 +582,8 @@ class _Step:
       parts = tuple(_to_carrier(p) for p in parts)
       if on_nvme:
         new_rows = {(stack_leaves[p], j): x for (p, j), x in block.rows().items()}
-        token = self.layers.put(s, token, start, new_rows)
+        for keys in self.layers.leaf_keys(s):
+          token = self.layers.put(token, start, {key: new_rows[key] for key in keys})
         parts = (*parts, _to_carrier(token))
       return stack, parts
 
@@ -686,7 +690,7 @@ class _Begun:
 class _BlockRows:
   """`stream.run`'s NVMe callbacks for one block of layers of a stack, without callbacks: the rows
   that `TracedLayers.fetch` brought are handed to the block's groups piece by piece, and their new
-  rows collected for one `TracedLayers.put` (`rows`). Keys are (position in the stack, array)."""
+  rows collected for `TracedLayers.put` (`rows`). Keys are (position in the stack, array)."""
 
   def __init__(self, spec: stream_spec.StreamSpec, fetched: dict[Any, Any], token):
     self.spec, self.fetched, self.token = spec, fetched, token

@@ -2,8 +2,8 @@
 
 `value_and_update` updates a layer stack inside its backward pass, a block of one or two layers at
 a time, last layer first. With the stack's optimizer state in the NVMe tier, each block's rows of
-every NVMe array of the stack arrive by one callback (`TracedLayers.fetch`) and leave by one
-(`TracedLayers.put`), threaded on the update's token (`callbacks.TracedTier`).
+each NVMe leaf of the stack (all its state arrays) arrive by one callback (`TracedLayers.fetch`)
+and leave by one (`TracedLayers.put`), threaded on the update's token (`callbacks.TracedTier`).
 
 On disk nothing changes: the store groups are the plan's (a stack leaf whole, or in row slices),
 so the state that `update_and_apply`, checkpoints and inspection read is the same. Host side, the
@@ -182,13 +182,26 @@ class TracedLayers:
 
     return self.traced._shard_local(_start, _TOKEN, None, token, in_specs=None)
 
-  def fetch(self, s: int, token: jax.Array, start: jax.Array, rows: int):
-    """Rows ``[start, start + rows)`` of stack `s`'s NVMe arrays (parent generation), by key.
+  def leaf_keys(self, s: int) -> list[list[Key]]:
+    """Stack `s`'s NVMe array keys, one list per leaf: the arrays a `fetch` or `put` moves.
+
+    One callback per leaf, not per block: on a GPU a callback's operands are copied into host
+    memory before it runs (jaxlib's ``XlaFfiPythonGpuCallback``), so a put of a whole block's rows
+    would hold a copy of every array's rows at once (3.56 GiB at 13B with 8-bit moments), and one
+    per leaf holds one leaf's (`host_budget.fused_nvme_block`).
+    """
+    by_leaf: dict[int, list[Key]] = {}
+    for key in self.keys[s]:
+      by_leaf.setdefault(key[0], []).append(key)
+    return list(by_leaf.values())
+
+  def fetch(self, s: int, token: jax.Array, start: jax.Array, rows: int, keys: Sequence[Key]):
+    """Rows ``[start, start + rows)`` of the NVMe arrays `keys` of stack `s` (parent generation).
 
     Returns ({key: array of `rows` rows}, token).
     """
     tier0 = self.traced.tier
-    keys = self.keys[s]
+    keys = list(keys)
     shapes = [
       jax.ShapeDtypeStruct((rows, *tier0.arrays[k].shape[1:]), tier0.arrays[k].dtype) for k in keys
     ]
@@ -224,10 +237,11 @@ class TracedLayers:
       )
     return dict(zip(keys, flat)), token
 
-  def put(self, s: int, token: jax.Array, start: jax.Array, new: dict[Key, Any]) -> jax.Array:
-    """Hands rows ``[start, start + rows)`` of stack `s`'s new NVMe arrays (child generation) over;
-    a store group goes to the writer once all its rows are in. Returns the token."""
-    keys = self.keys[s]
+  def put(self, token: jax.Array, start: jax.Array, new: dict[Key, Any]) -> jax.Array:
+    """Hands rows ``[start, start + rows)`` of the new NVMe arrays `new` (by key; child
+    generation) over; a store group goes to the writer once all its rows are in. Returns the
+    token."""
+    keys = list(new)
 
     def _put(device, token, start, *arrays):
       tier = self.traced.resolve(int(token[2]))
