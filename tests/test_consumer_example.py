@@ -55,7 +55,7 @@ def test_the_script_trains_with_the_state_on_nvme(host_run, tmp_path):
 
 
 def test_the_script_accumulates_with_8bit_moments_and_leaves_kept_on_the_card(tmp_path):
-  # The page's 51.5 GiB configuration at the CPU size: micro-batches accumulated in bf16, 8-bit
+  # The page's 48 GiB configuration at the CPU size: micro-batches accumulated in bf16, 8-bit
   # moments on the drive, wq and wo kept on the device beside the streamed stack.
   run = _example().main(
     [*TINY, "--nvme-dir", str(tmp_path / "run1"), "--host-limit", "64KiB", "--accumulate", "2",
