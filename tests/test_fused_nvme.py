@@ -189,9 +189,9 @@ def test_layers_are_read_ahead_last_first_with_bounded_host_copies(fast_dir):
     served = sum(after[s] - before[s] for s in ("prefetch_hits", "buffer_hits"))
     assert fetches == groups * steps
     # Read ahead in the backward's order: a good part of the fetches come from the prefetch pool
-    # (measured 122 of 189 here; 36 of 165 with prefetch_depth=1 and 3-layer slices; the layers' compute is tiny, so the
-    # prefetch thread does not always keep up). In the cyclic order of update_and_apply the next
-    # group read would rarely be the one needed next.
+    # (measured 122 of 189 here; 36 of 165 with prefetch_depth=1 and 3-layer slices; the layers'
+    # compute is tiny, so the prefetch thread does not always keep up). In the cyclic order of
+    # update_and_apply the next group read would rarely be the one needed next.
     assert served >= fetches // 3, after
     # `oo.estimate` plans the same store groups, and its NVMe buffers bound what the host held:
     # the groups open in the backward pass, the store's read-ahead and write-behind buffers (peaks

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_offload as oo
 from optax_offload._src import offload as offload_lib
+from optax_offload._src import plan as plan_lib
 
 HANDLES = 2 * 4  # OffloadState's int32 store id and generation, not optimizer state
 
@@ -152,3 +153,26 @@ def test_shapes_on_an_abstract_mesh_plan_as_on_devices():
   e, want = oo.estimate(shapes, **kwargs), oo.estimate(_shapes(params), **kwargs)
   assert e.plan == want.plan and e.leaves == want.leaves
   assert e.device_state_bytes == want.device_state_bytes
+
+
+@pytest.mark.parametrize("row_bytes", [1000, 4096])
+def test_row_slices_fit_the_budget_and_align_to_pairs_of_layers(row_bytes):
+  # Every way of slicing 1-50 rows: slices of one row or an even number (so the pairs of layers
+  # that the update in the backward pass updates never straddle two), within the budget, equal
+  # but the last, and covering the rows; the most rows that fit when no division does.
+  for rows in range(2, 51):
+    nbytes = rows * row_bytes
+    for budget in range(row_bytes, nbytes, max(1, row_bytes // 3)):
+      leaf = plan_lib.LeafInfo("x", rows, nbytes, rows=rows)
+      bounds = [(p.start, p.stop) for p in plan_lib._pieces([leaf], [plan_lib.Tier.HOST], budget)]
+      sizes = [b - a for a, b in bounds]
+      assert bounds[0][0] == 0 and bounds[-1][1] == rows, (rows, budget, bounds)
+      assert all(x[1] == y[0] for x, y in zip(bounds, bounds[1:])), (rows, budget, bounds)
+      assert sizes[0] == 1 or sizes[0] % 2 == 0, (rows, budget, bounds)
+      assert all(s == sizes[0] for s in sizes[:-1]) and 0 < sizes[-1] <= sizes[0]
+      assert -(-nbytes * sizes[0] // rows) <= budget, (rows, budget, bounds)
+  # 9 rows that fit 4 to a slice: 4, 4 and 1 (not 2, 2, 2, 2, 1); 40 that fit 5: 10 slices of 4.
+  leaf = plan_lib.LeafInfo("x", 9, 9000, rows=9)
+  assert [p.stop for p in plan_lib._pieces([leaf], [plan_lib.Tier.HOST], 4000)] == [4, 8, 9]
+  leaf = plan_lib.LeafInfo("x", 40, 40000, rows=40)
+  assert len(plan_lib._pieces([leaf], [plan_lib.Tier.HOST], 5000)) == 10

@@ -258,9 +258,9 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
       "host",
       e.nvme_buffer_bytes,
       (
-        f"the NVMe groups of {plan_lib.FUSED_NVME_LAYERS_HELD} layers (the pair being updated in "
-        f"the backward pass) and a copy of {copied} (a GPU callback's operands), the groups "
-        "read ahead and written behind, and the write staging"
+        "the NVMe groups that the pair of layers being updated in the backward pass touches and "
+        f"a copy of {copied} (a GPU callback's operands), the groups read ahead and written "
+        "behind, and the write staging"
         if e.update_in_backward
         else "store groups read ahead, read from, written behind and copied for the next put, "
         "and the write staging"
@@ -407,7 +407,8 @@ def _rows_held(slices: list[tuple[int, int]], layers: int) -> int:
     >>> _rows_held([(0, 4), (4, 8), (8, 10)], 10)
     4
   """
-  blocks = [(b, min(b + 2, layers)) for b in range(0, layers, 2)]
+  pair = plan_lib.FUSED_NVME_LAYERS_HELD
+  blocks = [(b, min(b + pair, layers)) for b in range(0, layers, pair)]
   return max(
     sum(stop - start for start, stop in slices if start < hi and lo < stop) for lo, hi in blocks
   )

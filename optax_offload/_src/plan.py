@@ -72,10 +72,11 @@ FUSED_GRAD_LAYERS_ON_DEVICE = 4
 pair being computed."""
 
 FUSED_NVME_LAYERS_HELD = 2
-"""With the update in the backward pass and state in the NVMe tier, layers of the stack's NVMe state
-held in host memory at once: the tier holds the store groups of the block in flight (a pair of
-layers) until each is complete, beside the groups read ahead and written behind; and a block's
-rows of each leaf pass through a callback (on a GPU, a copy of them in host memory)."""
+"""With the update in the backward pass, the layers of a block of its loop (a pair; `fused_scan`).
+With state in the NVMe tier the tier holds the store groups that the block in flight touches
+until each is complete (row slices of one layer or a multiple of this: `_pair_aligned`), beside
+the groups read ahead and written behind; and a block's rows of each leaf pass through a callback
+(on a GPU, a copy of them in host memory)."""
 
 FUSED_ACCUMULATOR_LAYERS_ON_DEVICE = 3
 """With several micro-batches a step, layers of a stack's gradient accumulators on the device at
@@ -330,21 +331,20 @@ def _pieces(leaves: Sequence[LeafInfo], tiers: Sequence[Tier], budget: int) -> l
     if nbytes <= budget or leaf.rows < 2:
       pieces.append(Piece(i))
       continue
-    n = min(leaf.rows, -(-nbytes // budget))
-    while n < leaf.rows and -(-nbytes * -(-leaf.rows // n) // leaf.rows) > budget:
-      n += 1
+    # The most rows a slice holds within the budget, in a slice of one row or an even number
+    # (`_pair_aligned`).
+    fit = max(1, min(leaf.rows, budget * leaf.rows // nbytes))
+    fit -= 0 if _pair_aligned(fit) else 1
+    n = -(-leaf.rows // fit)
     # Equal slices: the update runs them in one loop (`stream`), so the program does not grow with
     # their number. Slices that divide the rows when that takes at most 1.5x the fewest slices (a
     # remainder slice is unrolled beside the loop: 40 rows in 20 slices of 2, not 13 of 3 and 1);
-    # else the most rows that fit, the remainder last. A slice holds one row or an even number
-    # (`_pair_aligned`).
+    # else the most rows that fit, the remainder last.
     n = next(
       (m for m in range(n, n + n // 2 + 1) if leaf.rows % m == 0 and _pair_aligned(leaf.rows // m)),
-      n,
+      None,
     )
-    size = -(-leaf.rows // n)
-    if not _pair_aligned(size):
-      size -= 1
+    size = fit if n is None else leaf.rows // n
     bounds = list(range(0, leaf.rows, size)) + [leaf.rows]
     pieces.extend(Piece(i, a, b) for a, b in zip(bounds, bounds[1:]))
   return pieces
@@ -354,8 +354,10 @@ def _pair_aligned(rows: int) -> bool:
   """Whether row slices of `rows` rows start on the pairs of layers that the update in the backward
   pass updates together (``[2j, 2j + 1]``, `fused_scan`): one row, or an even number. With NVMe
   state a pair across two slices of k rows would keep both in host memory (2k rows, not k:
-  `host_budget.fused_nvme_held`)."""
-  return rows == 1 or rows % 2 == 0
+  `host_budget.fused_nvme_held`). Every plan slices so (it cannot know whether the update will run
+  in the backward pass, and the NVMe tier's files follow the plan): at most a few more groups than
+  the budget needs (40 rows that fit 5 to a slice: 10 slices of 4, not 8 of 5)."""
+  return rows == 1 or rows % FUSED_NVME_LAYERS_HELD == 0
 
 
 def _pack(

@@ -538,7 +538,7 @@ class _Step:
         parts, token = parts[:-1], _from_carrier(parts[-1], _TOKEN)
         fetched = {}
         for keys in self.layers.leaf_keys(s):
-          got, token = self.layers.fetch(s, token, start, rows, keys)
+          got, token = self.layers.fetch(token, start, rows, keys)
           fetched.update(got)
         pos = {i: p for p, i in enumerate(stack_leaves)}
         block = _BlockRows(spec, {(pos[i], j): x for (i, j), x in fetched.items()}, token)

@@ -115,6 +115,12 @@ class TracedLayers:
           self.pieces.setdefault(key, []).append(_Piece(sg, m, a, b))
           self.rows[sg] += b - a
     self.keys = [sorted(k for k in self.pieces if k[0] in set(leaves)) for leaves in stacks]
+    self.by_leaf: list[list[list[Key]]] = []  # per stack, its keys grouped by leaf (`leaf_keys`)
+    for keys in self.keys:
+      by_leaf: dict[int, list[Key]] = {}
+      for key in keys:
+        by_leaf.setdefault(key[0], []).append(key)
+      self.by_leaf.append(list(by_leaf.values()))
     order: list[int] = []
     for keys in reversed(self.keys):  # the backward reaches the last applied stack first
       top = {}
@@ -190,13 +196,10 @@ class TracedLayers:
     would hold a copy of every array's rows at once (3.56 GiB at 13B with 8-bit moments), and one
     per leaf holds one leaf's (`host_budget.fused_nvme_block`).
     """
-    by_leaf: dict[int, list[Key]] = {}
-    for key in self.keys[s]:
-      by_leaf.setdefault(key[0], []).append(key)
-    return list(by_leaf.values())
+    return self.by_leaf[s]
 
-  def fetch(self, s: int, token: jax.Array, start: jax.Array, rows: int, keys: Sequence[Key]):
-    """Rows ``[start, start + rows)`` of the NVMe arrays `keys` of stack `s` (parent generation).
+  def fetch(self, token: jax.Array, start: jax.Array, rows: int, keys: Sequence[Key]):
+    """Rows ``[start, start + rows)`` of the NVMe arrays `keys` (parent generation).
 
     Returns ({key: array of `rows` rows}, token).
     """
@@ -238,9 +241,9 @@ class TracedLayers:
     return dict(zip(keys, flat)), token
 
   def put(self, token: jax.Array, start: jax.Array, new: dict[Key, Any]) -> jax.Array:
-    """Hands rows ``[start, start + rows)`` of the new NVMe arrays `new` (by key; child
-    generation) over; a store group goes to the writer once all its rows are in. Returns the
-    token."""
+    """Hands the new rows from ``start`` on of the NVMe arrays `new` (by key, each of the block's
+    rows; child generation) over; a store group goes to the writer once all its rows are in.
+    Returns the token."""
     keys = list(new)
 
     def _put(device, token, start, *arrays):
