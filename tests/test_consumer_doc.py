@@ -18,14 +18,13 @@ TWO_TB = 2_000_000_000_000  # the page's drive: 2 TB, empty
 WINDOW_FIGURES = ("1.05 GiB", "2.37 GiB", "1.80 GiB")  # test_the_window_the_page_asks_for
 SPEED_PAGE_FIGURES = (
   "18.6 GiB",
-  "20.8 GiB",
-  "18.4 GiB",
-  "17.8 GiB",
+  "15.8 GiB",
+  "17.5 GiB",
+  "15.6 GiB",
 )  # test_the_speed_page_figures_it_cites
 NVME_PLAN_FIGURES = (
-  "141.80 GiB",
-  "37.57 GiB",
-  "11.72 GiB",
+  "130.08 GiB",
+  "47.91 GiB",
   "78.91 GiB",
   "47.77 GiB",
   "59.49 GiB",
@@ -36,7 +35,7 @@ ACCUMULATION_FIGURES = ("60 GiB",)
 # speed.md's 48 GiB rows with wq and wo on the card: plan bytes pinned by
 # test_the_rows_with_leaves_kept_on_the_card, the card's bytes compiled once (in speed.md); the
 # card's bytes of the program with one callback a block (21.4 GiB), as the page says.
-KEPT_FIGURES = ("47.44 GiB", "47.60 GiB", "21.2 GiB", "21.4 GiB", "39.45 GiB", "6.14 GiB")
+KEPT_FIGURES = ("47.44 GiB", "47.32 GiB", "21.0 GiB", "21.4 GiB", "39.45 GiB", "6.14 GiB")
 _PAIR = re.compile(r"```sh\n(python -m optax_offload plan .*?)```\n\n```text\n(.*?)```", re.S)
 
 
@@ -103,12 +102,12 @@ def test_the_speed_page_figures_it_cites():
 
 
 NVME_ROWS = (  # speed.md's fused_nvme rows that this page's table cites (modelled once each)
-  "| `fused_nvme`, fp32 moments, 7 x 2,048 | 14,336 | 133.5 s | 11.8 s | 121.9 s | 107.0 s | 107 "
-  "| **8.4** | 20.8 GiB | 37.57 GiB | 141.80 GiB | yes |",
-  "| `fused_nvme`, bf16 moments, 7 x 2,048 | 14,336 | 82.2 s | 10.6 s | 67.8 s | 61.1 s | 175 "
-  "| **13.6** | 18.4 GiB | 47.77 GiB | 78.91 GiB | yes |",
-  "| `fused_nvme`, 8-bit moments, 7 x 2,048 | 14,336 | 68.6 s | 12.2 s | 51.1 s | 48.7 s | 209 "
-  "| **16.3** | 17.8 GiB | 42.81 GiB | 59.49 GiB | yes |",
+  "| `fused_nvme`, fp32 moments, 7 x 2,048 | 14,336 | 116.1 s | 10.6 s | 111.8 s | 91.9 s | 124 "
+  "| **9.6** | 15.8 GiB | 47.91 GiB | 130.08 GiB | yes |",
+  "| `fused_nvme`, bf16 moments, 7 x 2,048 | 14,336 | 76.3 s | 10.7 s | 67.8 s | 58.0 s | 188 "
+  "| **14.7** | 17.5 GiB | 47.77 GiB | 78.91 GiB | yes |",
+  "| `fused_nvme`, 8-bit moments, 7 x 2,048 | 14,336 | 57.9 s | 11.6 s | 51.1 s | 39.0 s | 247 "
+  "| **19.3** | 15.6 GiB | 42.81 GiB | 59.49 GiB | yes |",
 )
 MOMENTS = {"fp32": "fp32 moments", "bf16": "bf16 moments", "int8": "8-bit moments"}
 
@@ -129,7 +128,7 @@ def test_the_nvme_rows_it_cites():
 @pytest.mark.parametrize(
   "moments, nvme, host, disk_s",
   [
-    ("fp32", "141.80 GiB", "37.57 GiB", "121.9 s"),
+    ("fp32", "130.08 GiB", "47.91 GiB", "111.8 s"),
     ("bf16", "78.91 GiB", "47.77 GiB", "67.8 s"),
     ("int8", "59.49 GiB", "42.81 GiB", "51.1 s"),
   ],
@@ -185,7 +184,7 @@ def test_the_window_the_page_asks_for():
 ACCUMULATION_ROWS = [
   # (moments, --host-memory, micro-batches, NVMe, host, disk busy, fits): speed.md's accumulation
   # table (bf16 accumulators), whose plan bytes and disk seconds are arithmetic: pinned here.
-  ("fp32", "60 GiB", 40, "143.63 GiB", "59.62 GiB", "123.5 s", True),
+  ("fp32", "60 GiB", 40, "143.63 GiB", "58.95 GiB", "123.5 s", True),
   ("bf16", "60 GiB", 40, "94.53 GiB", "56.56 GiB", "81.3 s", True),
   ("bf16", "48 GiB", 40, "96.98 GiB", "54.29 GiB", "83.4 s", False),
   ("int8", "60 GiB", 24, "71.27 GiB", "55.84 GiB", "61.3 s", True),
@@ -226,8 +225,8 @@ def test_the_accumulation_figures_it_cites():
   speed = (ROOT / "docs" / "speed.md").read_text()
   page = PAGE.read_text()
   for row, cited in [
-    ("| fp32 moments, 40 x 3 x 2,048 | 60 GiB | 245,760 |", ("61.2", "123 s")),
-    ("| bf16 moments, 40 x 3 x 2,048 | 60 GiB | 245,760 |", ("70.6", "81 s")),
+    ("| fp32 moments, 40 x 3 x 2,048 | 60 GiB | 245,760 |", ("62.8", "123 s")),
+    ("| bf16 moments, 40 x 3 x 2,048 | 60 GiB | 245,760 |", ("71.9", "81 s")),
   ]:
     (line,) = [r for r in speed.splitlines() if r.startswith(row)]
     cells = [c.strip(" *") for c in line.strip("|").split("|")]
@@ -240,7 +239,7 @@ KEPT_ON_THE_CARD_ROWS = [
   # and wo kept on the device, micro-batches of 2 x 2,048, a 7.5% window; plan bytes and disk
   # seconds pinned.
   ("int8", 48, 60, "71.27 GiB", "47.44 GiB", "61.3 s", True),
-  ("bf16", 48, 60, "96.97 GiB", "47.60 GiB", "83.4 s", True),
+  ("bf16", 48, 60, "96.97 GiB", "47.32 GiB", "83.4 s", True),
 ]
 
 

@@ -171,8 +171,9 @@ def test_layers_are_read_ahead_last_first_with_bounded_host_copies(fast_dir):
     _, state = run(cfg, params, tx, state, steps, 1)
     oo.sync_nvme(state)
     stats = tier.layer_stats
-    # One fetch and one put callback per NVMe leaf of the stack (9) per block of the backward loop
-    # (6 pairs of layers), not per array or group; every store group fetched and put once a step.
+    # One fetch and one put callback per NVMe leaf of each group of a block's streamed update (each
+    # leaf's two rows here: 9) per block of the backward loop (6 pairs of layers), not per array;
+    # every store group fetched and put once a step.
     assert stats["fetch_callbacks"] == stats["put_callbacks"] == 9 * 6 * steps
     assert stats["store_fetches"] == stats["store_puts"] == len(stack) * steps
     # The host holds the store groups the block in flight touches (slices of one or two layers,
@@ -301,7 +302,7 @@ def test_the_gpu_program_fetches_and_puts_per_pair_of_layers(fast_dir):
       per_computation[name] = (n, schedule.executions(name))
   # The backward loop (two layers an iteration, 2 iterations for 6 layers: the first pair is
   # computed before it and updated in it, the last updated after it) holds one fetch and one put
-  # per NVMe leaf of the stack (9); outside it: begin, the first read-ahead, the last pair's
+  # per NVMe leaf of the block's groups (9); outside it: begin, the first read-ahead, the last pair's
   # fetches and puts, the embedding's and the head's fetch and put, and the commit.
   loop = [v for name, v in per_computation.items() if name != schedule.entry]
   assert loop == [(2 * 9, 2)], per_computation
@@ -309,5 +310,6 @@ def test_the_gpu_program_fetches_and_puts_per_pair_of_layers(fast_dir):
   assert not schedule.host_compute
   # Host memory holds the stack's weights only (6 layers of 41,088 float32s); the state is on disk.
   assert memory.host == 6 * 41_088 * 4
-  # Device temporaries: measured 2,014,544 bytes (the host-tier program: 1,815,256).
-  assert memory.temp <= 2_100_000, memory
+  # Device temporaries: measured 1,600,592 bytes (the host-tier program: 1,815,256; 2,014,544
+  # when a block's NVMe rows all came to the device before its streamed update).
+  assert memory.temp <= 1_700_000, memory

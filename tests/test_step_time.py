@@ -675,7 +675,7 @@ def test_a_compiled_nvme_step_charges_every_nvme_byte_within_the_stores_buffers(
   tx = oo.offload(optax.adamw(1e-2), master_dtype=jnp.float32, **common)
   c = gpu_speed.compile_variant(cfg, "fused_nvme", "rtx4090_24gb", 1, 1, window, tx=tx)
   disk, runs = gpu_speed.nvme_disk_io(c.hlo)
-  # 6 layers, 2 a block, one callback per NVMe leaf of the stack (9) a block
+  # 6 layers, 2 a block, one callback per NVMe leaf of the block's groups (9) a block
   assert runs["nvme_layer_fetch"] == runs["nvme_layer_put"] == 9 * 3
   e = oo.estimate(
     gpu_speed._params(cfg, "fused_nvme"),
@@ -731,7 +731,7 @@ def test_accumulating_micro_batches_touch_the_disk_once_a_step(tmp_path):
   for trips in (k - 2, k + 8):
     hlo = gpu_speed.with_trip_count(c.hlo, k - 2, trips)
     disk, runs = gpu_speed.nvme_disk_io(hlo)
-    # once a step, 2 layers a block, one callback per NVMe leaf of the stack (9) a block
+    # once a step, 2 layers a block, one callback per NVMe leaf of the block's groups (9) a block
     assert runs["nvme_layer_fetch"] == runs["nvme_layer_put"] == 9 * 3
     t = step_time.timeline(hlo, HW, disk=disk)
     assert t.disk_read_bytes == t.disk_write_bytes == e.nvme_bytes > 0

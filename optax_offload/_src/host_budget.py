@@ -251,8 +251,8 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
       "touched least (read and written once a step): what does not fit in host memory; "
       "read ahead in update order, written behind",
     )
-    # One callback a leaf; a count without shapes has the stack as one leaf.
-    copied = "the pair's rows" if e.plan is None else "the pair's rows of the largest leaf"
+    # One callback a piece of the pair's groups; a count without shapes has the stack as one leaf.
+    copied = "the pair's rows" if e.plan is None else "the largest group's rows of the pair"
     add(
       "NVMe staging buffers",
       "host",
@@ -417,14 +417,28 @@ def _rows_held(slices: list[tuple[int, int]], layers: int) -> int:
 def fused_nvme_block(
   e: Estimate, stack: list[tuple[int, int, int]], on_device: frozenset[int] = frozenset()
 ) -> int:
-  """Host bytes of one block's rows (`plan.FUSED_NVME_LAYERS_HELD` layers) of the stack's largest
-  NVMe leaf: the copy a callback's operands take on a GPU, where JAX copies them into host memory
-  before the callback runs (one callback a leaf: `nvme_tier.layers.TracedLayers.leaf_keys`; a
-  put's new rows, before they go into the held groups; a fetch that joins two row slices makes one
-  too, never at the same time). For a bare count, one block's rows of all the NVMe state."""
+  """Host bytes of the largest piece of a block's NVMe rows (`plan.FUSED_NVME_LAYERS_HELD`
+  layers): the copy a callback's operands take on a GPU, where JAX copies them into host memory
+  before the callback runs. The streamed update of a block moves each NVMe piece of its groups by
+  one callback (`value_and_update._BlockRows`): a leaf's rows of the block, or of a slice of them
+  when they exceed a group (`plan.block_info`, `plan.largest_piece_rows`). A put's new rows wait
+  there before they go into the held groups; a fetch that joins two row slices makes such a copy
+  too, never at the same time. For a bare count, one block's rows of all the NVMe state."""
   layers = stack[0][1]
   rows = min(plan_lib.FUSED_NVME_LAYERS_HELD, layers)
-  return rows * max(_stack_nvme_row_bytes(e, layers, on_device).values(), default=0)
+  row_bytes = _stack_nvme_row_bytes(e, layers, on_device)
+  if e.plan is None:
+    return rows * row_bytes[None]
+  return max(
+    (
+      plan_lib.largest_piece_rows(
+        plan_lib.block_info(e.leaves[i], rows, layers, e.leaves[i].rows > 0), e.plan.window_bytes
+      )
+      * b
+      for i, b in row_bytes.items()
+    ),
+    default=0,
+  )
 
 
 def _stack_nvme_row_bytes(e: Estimate, layers: int, on_device: frozenset[int]) -> dict:

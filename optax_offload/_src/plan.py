@@ -350,6 +350,31 @@ def _pieces(leaves: Sequence[LeafInfo], tiers: Sequence[Tier], budget: int) -> l
   return pieces
 
 
+def block_info(leaf: LeafInfo, rows: int, layers: int, split: bool) -> LeafInfo:
+  """`leaf` (a stack leaf of `layers` rows) cut to a block of `rows` of its rows, as the update in
+  the backward pass plans a block's groups: its size and state pro rata, split by rows when
+  `split`."""
+  return LeafInfo(
+    leaf.path,
+    leaf.size * rows // layers,
+    -(-leaf.state_bytes * rows // layers),
+    rows=rows if split else 0,
+  )
+
+
+def largest_piece_rows(leaf: LeafInfo, window_bytes: int) -> int:
+  """Rows of the largest piece `make_plan` cuts `leaf` into for `window_bytes` (all its rows when
+  it stays whole).
+
+  Examples:
+    >>> largest_piece_rows(LeafInfo("w", 2 * 1024, 2 * 8192, rows=2), window_bytes=20_000)
+    1
+  """
+  budget = max(int(window_bytes / WINDOW_SLOTS), 1)
+  pieces = _pieces([leaf], [Tier.HOST], budget)
+  return max(max(leaf.rows, 1) if p.whole else p.stop - p.start for p in pieces)
+
+
 def _pair_aligned(rows: int) -> bool:
   """Whether row slices of `rows` rows start on the pairs of layers that the update in the backward
   pass updates together (``[2j, 2j + 1]``, `fused_scan`): one row, or an even number. With NVMe

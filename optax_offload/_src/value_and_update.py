@@ -20,9 +20,10 @@ host memory and sums their squares, and the update runs after it, streamed.
 
 State in the NVMe tier (``offload(..., nvme_dir=..., host_limit=...)``): the step writes one NVMe
 generation (in the pass that updates), begun before that pass's forward and committed after the
-leaves outside the stacks. In the backward pass each block of layers fetches its rows of the
-stack's NVMe arrays by one callback a leaf and puts the new rows by one (`nvme_tier.layers`), the
-disk reading ahead in the order the backward needs them; the other leaves' NVMe groups follow, as
+leaves outside the stacks. In the backward pass the streamed update of each block of layers
+fetches each group's rows of the stack's NVMe arrays by one callback a leaf and puts the new rows
+by one (`nvme_tier.layers`, `_BlockRows`), the disk reading ahead in the order the backward needs
+them; the other leaves' NVMe groups follow, as
 `update_and_apply` streams them (`_Begun`). With clipping the stacks are updated after the backward
 pass, so their NVMe state streams with the other leaves'.
 """
@@ -513,12 +514,7 @@ class _Step:
     def spec_for(rows: int) -> stream_spec.StreamSpec:
       if rows not in specs:
         infos = [
-          plan_lib.LeafInfo(
-            setup.leaves[i].path,
-            setup.leaves[i].size * rows // n_layers,
-            -(-setup.leaves[i].state_bytes * rows // n_layers),
-            rows=rows if setup.part_shapes[i] else 0,
-          )
+          plan_lib.block_info(setup.leaves[i], rows, n_layers, bool(setup.part_shapes[i]))
           for i in stack_leaves
         ]
         plan = plan_lib.make_plan(infos, min_size=0, window_bytes=setup.plan.window_bytes)
@@ -533,15 +529,10 @@ class _Step:
       spec = spec_for(rows)
       block = None
       if on_nvme:
-        # The block's NVMe rows arrive by one callback a leaf and leave by one; the streamed
-        # update hands them to its groups as `update_and_apply` hands it a group's NVMe arrays.
+        # The streamed update fetches each group's NVMe rows by one callback a piece and puts
+        # them back by one, as `update_and_apply` fetches and puts a group's NVMe arrays.
         parts, token = parts[:-1], _from_carrier(parts[-1], _TOKEN)
-        fetched = {}
-        for keys in self.layers.leaf_keys(s):
-          got, token = self.layers.fetch(token, start, rows, keys)
-          fetched.update(got)
-        pos = {i: p for p, i in enumerate(stack_leaves)}
-        block = _BlockRows(spec, {(pos[i], j): x for (i, j), x in fetched.items()}, token)
+        block = _BlockRows(spec, self.layers, stack_leaves, start, rows, token)
       parts = tuple(_from_carrier(p, self.per_leaf[i]) for p, i in zip(parts, stack_leaves))
 
       # Host-tier state arrays stay whole (`row_offset`: their rows are read and written in place
@@ -581,9 +572,6 @@ class _Step:
       stack = tuple(fused_scan._put(buf, start, x) for buf, x in zip(stack, new_w))
       parts = tuple(_to_carrier(p) for p in parts)
       if on_nvme:
-        new_rows = {(stack_leaves[p], j): x for (p, j), x in block.rows().items()}
-        for keys in self.layers.leaf_keys(s):
-          token = self.layers.put(token, start, {key: new_rows[key] for key in keys})
         parts = (*parts, _to_carrier(token))
       return stack, parts
 
@@ -688,24 +676,29 @@ class _Begun:
 
 
 class _BlockRows:
-  """`stream.run`'s NVMe callbacks for one block of layers of a stack, without callbacks: the rows
-  that `TracedLayers.fetch` brought are handed to the block's groups piece by piece, and their new
-  rows collected for `TracedLayers.put` (`rows`). Keys are (position in the stack, array)."""
+  """`stream.run`'s NVMe callbacks for one block of layers of a stack (rows ``[start, start +
+  rows)``): each NVMe piece of a group (a stack leaf's rows of the block, or a slice of them)
+  arrives by one `TracedLayers.fetch` when the streamed update fetches the group and leaves by one
+  `TracedLayers.put` when it sends the group's new state. So the device holds the NVMe rows of the
+  groups in flight, within the window, and on a GPU a callback's copy of its operands is one
+  piece's rows. Keys are (position in the stack, array)."""
 
-  def __init__(self, spec: stream_spec.StreamSpec, fetched: dict[Any, Any], token):
-    self.spec, self.fetched, self.token = spec, fetched, token
+  def __init__(self, spec: stream_spec.StreamSpec, layers, stack_leaves, start, rows: int, token):
+    self.spec, self.layers, self.stack_leaves = spec, layers, stack_leaves
+    self.start, self.rows, self.token = start, rows, token
     self.groups = {
       k: k
       for k, unit in enumerate(spec.units)
       if any(plan_lib.Tier.NVME in spec.array_tiers[p.leaf] for p in unit)
     }
-    self.new: dict[Any, list[tuple[int, Any]]] = {}
 
-  def _nvme(self, k):
+  def _pieces(self, k):
+    """Group k's pieces with NVMe arrays: (piece, [array index], first row, rows)."""
     for p in self.spec.units[k]:
-      for j, t in enumerate(self.spec.array_tiers[p.leaf]):
-        if t is plan_lib.Tier.NVME:
-          yield p, j
+      arrays = [j for j, t in enumerate(self.spec.array_tiers[p.leaf]) if t is plan_lib.Tier.NVME]
+      if arrays:
+        first = p.start or 0
+        yield p, arrays, self.start + first, (self.rows if p.whole else p.stop - p.start)
 
   def begin(self, generation, store=None):
     del generation, store
@@ -713,27 +706,22 @@ class _BlockRows:
 
   def fetch(self, k, token):
     out = {}
-    for p, j in self._nvme(k):
-      x = self.fetched[(p.leaf, j)]
-      out[(p.leaf, j)] = x if p.whole else x[p.start : p.stop]
+    for p, arrays, first, rows in self._pieces(k):
+      keys = [(self.stack_leaves[p.leaf], j) for j in arrays]
+      got, token = self.layers.fetch(token, first, rows, keys)
+      out.update({(p.leaf, j): got[key] for j, key in zip(arrays, keys)})
     return out, token
 
   def put(self, k, token, parts):
-    for p, j in self._nvme(k):
-      self.new.setdefault((p.leaf, j), []).append((p.start or 0, jax.tree.leaves(parts[p.leaf])[j]))
+    for p, arrays, first, _ in self._pieces(k):
+      new = jax.tree.leaves(parts[p.leaf])
+      token = self.layers.put(
+        token, first, {(self.stack_leaves[p.leaf], j): new[j] for j in arrays}
+      )
     return token
 
   def commit(self, token):
     return token
-
-  def rows(self) -> dict[Any, Any]:
-    """The block's new rows of each NVMe array."""
-    return {
-      key: jnp.concatenate([x for _, x in sorted(pieces, key=lambda e: e[0])])
-      if len(pieces) > 1
-      else pieces[0][1]
-      for key, pieces in self.new.items()
-    }
 
 
 _TOKEN = jax.ShapeDtypeStruct((), jnp.int32)

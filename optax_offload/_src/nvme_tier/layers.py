@@ -1,9 +1,14 @@
 """Layer rows of a stack's NVMe arrays, fetched and put from inside the backward pass.
 
 `value_and_update` updates a layer stack inside its backward pass, a block of one or two layers at
-a time, last layer first. With the stack's optimizer state in the NVMe tier, each block's rows of
-each NVMe leaf of the stack (all its state arrays) arrive by one callback (`TracedLayers.fetch`)
-and leave by one (`TracedLayers.put`), threaded on the update's token (`callbacks.TracedTier`).
+a time, last layer first, streaming the block's rows through the window in groups. With the
+stack's optimizer state in the NVMe tier, each group's rows of each NVMe leaf (all its state
+arrays) arrive by one callback (`TracedLayers.fetch`) when the streamed update fetches the group,
+and leave by one (`TracedLayers.put`) when it sends the group's new state, threaded on the
+update's token (`callbacks.TracedTier`). So the device holds the NVMe rows of the groups in
+flight, not the block's, and on a GPU, where JAX copies a callback's operands into host memory
+before it runs (jaxlib's ``XlaFfiPythonGpuCallback``), that copy is one group's rows
+(`host_budget.fused_nvme_block`).
 
 On disk nothing changes: the store groups are the plan's (a stack leaf whole, or in row slices),
 so the state that `update_and_apply`, checkpoints and inspection read is the same. Host side, the
@@ -115,12 +120,6 @@ class TracedLayers:
           self.pieces.setdefault(key, []).append(_Piece(sg, m, a, b))
           self.rows[sg] += b - a
     self.keys = [sorted(k for k in self.pieces if k[0] in set(leaves)) for leaves in stacks]
-    self.by_leaf: list[list[list[Key]]] = []  # per stack, its keys grouped by leaf (`leaf_keys`)
-    for keys in self.keys:
-      by_leaf: dict[int, list[Key]] = {}
-      for key in keys:
-        by_leaf.setdefault(key[0], []).append(key)
-      self.by_leaf.append(list(by_leaf.values()))
     order: list[int] = []
     for keys in reversed(self.keys):  # the backward reaches the last applied stack first
       top = {}
@@ -187,16 +186,6 @@ class TracedLayers:
       return np.asarray(token)
 
     return self.traced._shard_local(_start, _TOKEN, None, token, in_specs=None)
-
-  def leaf_keys(self, s: int) -> list[list[Key]]:
-    """Stack `s`'s NVMe array keys, one list per leaf: the arrays a `fetch` or `put` moves.
-
-    One callback per leaf, not per block: on a GPU a callback's operands are copied into host
-    memory before it runs (jaxlib's ``XlaFfiPythonGpuCallback``), so a put of a whole block's rows
-    would hold a copy of every array's rows at once (3.56 GiB at 13B with 8-bit moments), and one
-    per leaf holds one leaf's (`host_budget.fused_nvme_block`).
-    """
-    return self.by_leaf[s]
 
   def fetch(self, token: jax.Array, start: jax.Array, rows: int, keys: Sequence[Key]):
     """Rows ``[start, start + rows)`` of the NVMe arrays `keys` (parent generation).
