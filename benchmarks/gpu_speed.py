@@ -21,8 +21,8 @@ fp32 master copy for the others):
   the one-host-budget plan (`oo.estimate(..., host_memory=--host-memory, update_in_backward=True)`):
   what the stack's weights and the NVMe tier's staging buffers leave of ``--host-memory`` holds
   state in pinned host memory, the rest is on NVMe (``offload(host_limit=..., nvme_dir=...)``),
-  fetched and put by the tier's callbacks once per block of layers of the last micro-batch's
-  backward pass. One micro-batch per step unless ``--accumulate K`` (K micro-batches, the stack's
+  fetched and put by the tier's callbacks once per group of each block of layers of the last
+  micro-batch's backward pass. One micro-batch per step unless ``--accumulate K`` (K micro-batches, the stack's
   gradients accumulated in host memory in ``--accumulator-dtype``, planned with them: at 48 GiB
   they do not fit beside the stack's weights, and `plan` says so), compiled at the model's full
   depth with the micro-batch loop's real trip count (the plan places whole leaves, so a shallower

@@ -323,7 +323,7 @@ def test_integer_state_comes_back_from_the_backward_bit_for_bit(dtype):
 INT8_CASES = [
   # (optimizer, dtype, layers, accumulate, clip, stack on host, NVMe): the stack in host memory
   # and on the device, accumulation, a clip (the stack then updated after the backward pass), the
-  # state in the NVMe tier (the per-block callbacks). Bit for bit where the grouping does not
+  # state in the NVMe tier (the per-piece callbacks). Bit for bit where the grouping does not
   # change the arithmetic (DESIGN.md's numerics rule): a clip that does not trigger (a triggering
   # one scales by a norm summed layer by layer), sgd's momentum (lion's mu differs by ulps in the
   # leaves outside the stack with the stack on the device and accumulate=2, with fp32 moments too:

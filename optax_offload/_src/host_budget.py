@@ -421,7 +421,8 @@ def fused_nvme_block(
   layers): the copy a callback's operands take on a GPU, where JAX copies them into host memory
   before the callback runs. The streamed update of a block moves each NVMe piece of its groups by
   one callback (`value_and_update._BlockRows`): a leaf's rows of the block, or of a slice of them
-  when they exceed a group (`plan.block_info`, `plan.largest_piece_rows`). A put's new rows wait
+  when they exceed a group (`plan.block_info`, `plan.largest_piece_rows`; split as
+  `value_and_update` splits a leaf with state, whatever the plan of the whole leaf). A put's new rows wait
   there before they go into the held groups; a fetch that joins two row slices makes such a copy
   too, never at the same time. For a bare count, one block's rows of all the NVMe state."""
   layers = stack[0][1]
@@ -432,7 +433,7 @@ def fused_nvme_block(
   return max(
     (
       plan_lib.largest_piece_rows(
-        plan_lib.block_info(e.leaves[i], rows, layers, e.leaves[i].rows > 0), e.plan.window_bytes
+        plan_lib.block_info(e.leaves[i], rows, layers, split=True), e.plan.window_bytes
       )
       * b
       for i, b in row_bytes.items()

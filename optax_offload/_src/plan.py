@@ -75,8 +75,8 @@ FUSED_NVME_LAYERS_HELD = 2
 """With the update in the backward pass, the layers of a block of its loop (a pair; `fused_scan`).
 With state in the NVMe tier the tier holds the store groups that the block in flight touches
 until each is complete (row slices of one layer or a multiple of this: `_pair_aligned`), beside
-the groups read ahead and written behind; and a block's rows of each leaf pass through a callback
-(on a GPU, a copy of them in host memory)."""
+the groups read ahead and written behind; and each piece of a block's groups (a leaf's rows of the
+block, or a slice of them) passes through a callback (on a GPU, a copy of it in host memory)."""
 
 FUSED_ACCUMULATOR_LAYERS_ON_DEVICE = 3
 """With several micro-batches a step, layers of a stack's gradient accumulators on the device at

@@ -7,7 +7,7 @@ arrays) arrive by one callback (`TracedLayers.fetch`) when the streamed update f
 and leave by one (`TracedLayers.put`) when it sends the group's new state, threaded on the
 update's token (`callbacks.TracedTier`). So the device holds the NVMe rows of the groups in
 flight, not the block's, and on a GPU, where JAX copies a callback's operands into host memory
-before it runs (jaxlib's ``XlaFfiPythonGpuCallback``), that copy is one group's rows
+before it runs (jaxlib's ``XlaFfiPythonGpuCallback``), that copy is one leaf's rows of one group
 (`host_budget.fused_nvme_block`).
 
 On disk nothing changes: the store groups are the plan's (a stack leaf whole, or in row slices),
@@ -49,7 +49,7 @@ from optax_offload._src.nvme_tier.shards import Key
 
 _TOKEN = jax.ShapeDtypeStruct((3,), jnp.int32)
 FETCH_SCOPE, PUT_SCOPE = "nvme_layer_fetch", "nvme_layer_put"
-"""`jax.named_scope`s of the per-block callbacks (in their HLO ``op_name``): `oo.timeline`'s
+"""`jax.named_scope`s of the per-piece callbacks (in their HLO ``op_name``): `oo.timeline`'s
 ``disk`` argument charges disk bytes to callbacks by name."""
 
 
@@ -75,7 +75,8 @@ class _Update:
 
 
 class TracedLayers:
-  """The per-block callbacks of the stacks of one traced step.
+  """The callbacks of the stacks of one traced step: a fetch and a put per NVMe piece of each group
+  of a block's streamed update (`value_and_update._BlockRows`).
 
   Args:
     traced: the update's `callbacks.TracedTier`.
@@ -119,15 +120,14 @@ class TracedLayers:
           a, b = rows if rows is not None else (0, tier.arrays[key].shape[0])
           self.pieces.setdefault(key, []).append(_Piece(sg, m, a, b))
           self.rows[sg] += b - a
-    self.keys = [sorted(k for k in self.pieces if k[0] in set(leaves)) for leaves in stacks]
+    stack_keys = [sorted(k for k in self.pieces if k[0] in set(leaves)) for leaves in stacks]
     order: list[int] = []
-    for keys in reversed(self.keys):  # the backward reaches the last applied stack first
+    for keys in reversed(stack_keys):  # the backward reaches the last applied stack first
       top = {}
       for key in keys:
         for p in self.pieces[key]:
           top[p.group] = max(top.get(p.group, 0), p.stop)
       order.extend(g for g in sorted(top, key=lambda g: (-top[g], g)) if g not in order)
-    self.stack_groups = list(order)
     # Then the groups of the leaves updated after the backward pass, in plan order.
     self.order = order + [g for g in range(len(tier.members)) if g not in self.rows]
     self._open: dict[tuple[int, int], _Update] = {}
@@ -230,8 +230,8 @@ class TracedLayers:
     return dict(zip(keys, flat)), token
 
   def put(self, token: jax.Array, start: jax.Array, new: dict[Key, Any]) -> jax.Array:
-    """Hands the new rows from ``start`` on of the NVMe arrays `new` (by key, each of the block's
-    rows; child generation) over; a store group goes to the writer once all its rows are in.
+    """Hands the new rows from ``start`` on of the NVMe arrays `new` (by key, each a piece's rows;
+    child generation) over; a store group goes to the writer once all its rows are in.
     Returns the token."""
     keys = list(new)
 
