@@ -409,3 +409,22 @@ def test_the_leaves_outside_the_stack_count_their_own_nvme_buffers():
   assert e.update_in_backward and e.nvme_group_bytes == 12 * MiB
   assert e.nvme_buffer_bytes == 4 * 12 * MiB + 4 * MiB
   assert e.nvme_buffer_bytes == plan_lib.nvme_buffer_bytes(12 * MiB, ONE_IO_THREAD)
+
+
+def test_stacks_of_different_depths_hold_their_own_rows():
+  # Two stacks in pinned host memory, of 8 and 4 rows of 512 x 512 bf16 (3 MiB of fp32 master and
+  # moments a row), their state on NVMe in one-row slices (a 9.5 MiB window). The update in the
+  # backward pass holds a pair of rows of each (2 x 3 MiB each: 12 MiB), a GPU callback's copy of
+  # one row (3 MiB), a group read ahead and one written behind (6 MiB) and the staging (3 MiB):
+  # 24 MiB. Each leaf counts by its own rows: the 4-row stack's by 8 would count 9 MiB held.
+  params = {
+    "deep": one_device_bf16((8, 512, 512), "pinned_host"),
+    "shallow": one_device_bf16((4, 512, 512), "pinned_host"),
+  }
+  e = oo.estimate(
+    params, window_bytes="9.5MiB", update_in_backward=True, master_dtype="fp32",
+    host_memory="30MiB", nvme_size="1GB", nvme_options=ONE_IO_THREAD,
+  )  # fmt: skip
+  MiB = 2**20
+  assert e.nvme_bytes == 36 * MiB and e.host_bytes == 0 and e.nvme_group_bytes == 3 * MiB
+  assert e.nvme_buffer_bytes == 24 * MiB, e

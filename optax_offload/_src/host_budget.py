@@ -384,17 +384,17 @@ def fused_nvme_held(
   written. For a bare count, one block's rows (groups of one layer row); with shapes, per NVMe
   leaf of the stack (streaming with its weights, `LeafInfo.moving_bytes`, or kept on the device:
   the indices `on_device`), the most rows of its slices (the plan's pieces; the whole leaf when it
-  is not sliced) that one block touches."""
-  layers = stack[0][1]
-  row_bytes = _stack_nvme_row_bytes(e, layers, on_device)
+  is not sliced) that one block touches, each leaf by its own layers."""
+  rows = _stack_nvme_rows(e, stack[0][1], on_device)
   if e.plan is None:
-    return min(plan_lib.FUSED_NVME_LAYERS_HELD, layers) * row_bytes[None]
+    ((row, layers),) = rows.values()
+    return min(plan_lib.FUSED_NVME_LAYERS_HELD, layers) * row
   slices: dict[int, list[tuple[int, int]]] = {}
   for unit in e.plan.units:
     for piece in unit:
-      bounds = (0, layers) if piece.start is None else (piece.start, piece.stop)
-      slices.setdefault(piece.leaf, []).append(bounds)
-  return sum(_rows_held(slices.get(i, [(0, layers)]), layers) * b for i, b in row_bytes.items())
+      if piece.start is not None:
+        slices.setdefault(piece.leaf, []).append((piece.start, piece.stop))
+  return sum(_rows_held(slices.get(i, [(0, n)]), n) * row for i, (row, n) in rows.items())
 
 
 def _rows_held(slices: list[tuple[int, int]], layers: int) -> int:
@@ -422,37 +422,34 @@ def fused_nvme_block(
   before the callback runs. The streamed update of a block moves each NVMe piece of its groups by
   one callback (`value_and_update._BlockRows`): a leaf's rows of the block, or of a slice of them
   when they exceed a group (`plan.block_info`, `plan.largest_piece_rows`; split as
-  `value_and_update` splits a leaf with state, whatever the plan of the whole leaf). A put's new rows wait
-  there before they go into the held groups; a fetch that joins two row slices makes such a copy
-  too, never at the same time. For a bare count, one block's rows of all the NVMe state."""
-  layers = stack[0][1]
-  rows = min(plan_lib.FUSED_NVME_LAYERS_HELD, layers)
-  row_bytes = _stack_nvme_row_bytes(e, layers, on_device)
-  if e.plan is None:
-    return rows * row_bytes[None]
-  return max(
-    (
-      plan_lib.largest_piece_rows(
-        plan_lib.block_info(e.leaves[i], rows, layers, split=True), e.plan.window_bytes
-      )
-      * b
-      for i, b in row_bytes.items()
-    ),
-    default=0,
-  )
+  `value_and_update` splits a leaf with state, whatever the plan of the whole leaf). A put's new
+  rows wait there before they go into the held groups; a fetch that joins two row slices makes
+  such a copy too, never at the same time. For a bare count, one block's rows of all the NVMe
+  state."""
+  pieces = []
+  for i, (row, n) in _stack_nvme_rows(e, stack[0][1], on_device).items():
+    block = min(plan_lib.FUSED_NVME_LAYERS_HELD, n)
+    if e.plan is None:
+      pieces.append(block * row)
+      continue
+    info = plan_lib.block_info(e.leaves[i], block, n, split=True)
+    pieces.append(plan_lib.largest_piece_rows(info, e.plan.window_bytes) * row)
+  return max(pieces, default=0)
 
 
-def _stack_nvme_row_bytes(e: Estimate, layers: int, on_device: frozenset[int]) -> dict:
-  """Bytes of one layer row of each of the stack's NVMe leaves, by leaf index: those streaming
-  with the stack's weights (`LeafInfo.moving_bytes`) or kept on the device (`on_device`). For a
-  bare count, one row of all the NVMe state, under the key None."""
+def _stack_nvme_rows(e: Estimate, layers: int, on_device: frozenset[int]) -> dict:
+  """(bytes of one layer row, layers) of each of the stack's NVMe leaves, by leaf index: those
+  streaming with the stack's weights (`LeafInfo.moving_bytes`) or kept on the device
+  (`on_device`), each of its own layers (its rows; `layers`, the first stack's, when it cannot be
+  split by rows). For a bare count, one row of all the NVMe state, under the key None."""
   if e.plan is None:
-    return {None: -(-e.nvme_bytes // layers)}
-  return {
-    i: -(-leaf.held_bytes // layers)
-    for i, (leaf, tier) in enumerate(zip(e.leaves, e.plan.tiers))
-    if (leaf.moving_bytes or i in on_device) and tier is plan_lib.Tier.NVME
-  }
+    return {None: (-(-e.nvme_bytes // layers), layers)}
+  out = {}
+  for i, (leaf, tier) in enumerate(zip(e.leaves, e.plan.tiers)):
+    if (leaf.moving_bytes or i in on_device) and tier is plan_lib.Tier.NVME:
+      n = leaf.rows or layers
+      out[i] = (-(-leaf.held_bytes // n), n)
+  return out
 
 
 def accumulator_bytes(
