@@ -326,3 +326,20 @@ def test_speed_bound_is_the_slower_of_compute_and_transfer(capsys):
   assert cli.main([*argv, "h100_80gb", "--tokens-per-step", "65536", "--remat", "none"]) == 0
   text = capsys.readouterr().out
   assert "speed bound on h100_80gb" in text and "not the compiled program" in text
+
+
+def test_plan_takes_the_nvme_tiers_depths(capsys):
+  # --prefetch-depth and --write-depth are offload's nvme_options: each group read ahead or
+  # written behind takes one more group of host memory, as oo.estimate(nvme_options=...) counts.
+  argv = [*KNOWN_ARGV, "--nvme-size", "1TB", "--json"]
+  cli.main(argv)
+  default = json.loads(capsys.readouterr().out)
+  cli.main([*argv, "--prefetch-depth", "4", "--write-depth", "3"])
+  deeper = json.loads(capsys.readouterr().out)
+  e = oo.estimate("7B", **KNOWN, nvme_size="1TB")
+  group = e.nvme_group_bytes
+  assert deeper["nvme_buffer_bytes"] - default["nvme_buffer_bytes"] == (3 + 2) * group > 0
+  with pytest.raises(SystemExit) as exit_:
+    cli.main([*argv, "--write-depth", "0"])
+  assert exit_.value.code == 2
+  assert "--write-depth: write_depth must be >= 1, got 0" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from optax_offload._src import host_budget
 from optax_offload._src import measure
 from optax_offload._src import named_optimizers
 from optax_offload._src import step_time
+from optax_offload._src.nvme import options as nvme_options
 from optax_offload._src.units import parse_bytes
 
 _EPILOG = """\
@@ -156,6 +157,20 @@ def _parser() -> argparse.ArgumentParser:
     "--nvme-size",
     metavar="SIZE",
     help="disk space the NVMe tier may use, e.g. 2TB (with --nvme-dir: at most its free space)",
+  )
+  opt(
+    "--prefetch-depth",
+    type=int,
+    metavar="N",
+    help="NVMe store groups read ahead (offload's nvme_options; default 1): each takes a group of "
+    "host memory",
+  )
+  opt(
+    "--write-depth",
+    type=int,
+    metavar="N",
+    help="NVMe store groups written behind (offload's nvme_options; default 1): each takes a group "
+    "of host memory",
   )
   opt(
     "--window-bytes",
@@ -299,6 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       window_bytes=args.window_bytes,
       activation_bytes=args.activations,
       bandwidths=_bandwidths(args),
+      nvme_options=_nvme_options(args),
     )
     if args.tokens_per_step is not None and args.target is None:
       raise ValueError("--tokens-per-step needs --target, the card whose rates to use.")
@@ -316,6 +332,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bound is not None:
       print("\n" + _speed_text(bound))
   return 0 if result.fits else 1
+
+
+def _nvme_options(args) -> Any:
+  """The NVMe tier's options of ``--prefetch-depth`` and ``--write-depth`` (None: the defaults)."""
+  given = {
+    name: getattr(args, name)
+    for name in ("prefetch_depth", "write_depth")
+    if getattr(args, name) is not None
+  }
+  if not given:
+    return None
+  try:
+    return nvme_options.NvmeOptions(**given)
+  except ValueError as e:
+    raise ValueError(f"--prefetch-depth / --write-depth: {e}") from None
 
 
 if __name__ == "__main__":
