@@ -22,8 +22,8 @@ fp32 master copy for the others):
   what the stack's weights and the NVMe tier's staging buffers leave of ``--host-memory`` holds
   state in pinned host memory, the rest is on NVMe (``offload(host_limit=..., nvme_dir=...)``),
   fetched and put by the tier's callbacks once per group of each block of layers of the last
-  micro-batch's backward pass. One micro-batch per step unless ``--accumulate K`` (K micro-batches, the stack's
-  gradients accumulated in host memory in ``--accumulator-dtype``, planned with them: at 48 GiB
+  micro-batch's backward pass. One micro-batch per step unless ``--accumulate K`` (K
+  micro-batches, the stack's gradients accumulated in host memory in ``--accumulator-dtype``, planned with them: at 48 GiB
   they do not fit beside the stack's weights, and `plan` says so), compiled at the model's full
   depth with the micro-batch loop's real trip count (the plan places whole leaves, so a shallower
   model's placement is not the same), ``--moment-dtype bf16`` (or ``int8``) for bf16 (8-bit)
@@ -79,6 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import optax_offload as oo  # noqa: E402
 from benchmarks import llama  # noqa: E402
 from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
+from optax_offload._src import cli  # noqa: E402
 from optax_offload._src import gpu_program  # noqa: E402
 from optax_offload._src import hlo_cost  # noqa: E402
 from optax_offload._src import units  # noqa: E402
@@ -366,18 +367,7 @@ def nvme_plan(
     update_in_backward=True,
     accumulate=accumulate,
     accumulator_dtype=accumulator_dtype,
-    nvme_options=nvme_options(args),
-  )
-
-
-def nvme_options(args) -> oo.NvmeOptions:
-  """The store's read-ahead and write-behind depths of the row (``--prefetch-depth``,
-  ``--write-depth``; the defaults where `args` has none)."""
-  default = oo.NvmeOptions()
-  return dataclasses.replace(
-    default,
-    prefetch_depth=getattr(args, "prefetch_depth", default.prefetch_depth),
-    write_depth=getattr(args, "write_depth", default.write_depth),
+    nvme_options=cli.nvme_options_of(args),
   )
 
 
@@ -431,7 +421,7 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
   if not args.nvme_dir:
     atexit.register(shutil.rmtree, nvme_dir, ignore_errors=True)
   args = argparse.Namespace(**{**vars(args), "nvme_dir": nvme_dir})
-  options = nvme_options(args)
+  options = cli.nvme_options_of(args)
   e, c = compile_nvme(cfg, target, args, window, options, k)
   disk, runs = nvme_disk_io(c.hlo)
   group = e.nvme_group_bytes

@@ -14,8 +14,8 @@ of ``python -m optax_offload plan`` (docs/consumer.md).
 
 More tokens per update within 48 GiB of RAM (docs/consumer.md, "Speed"): 60 micro-batches of
 2 x 2,048 tokens a step, their gradients accumulated in bf16 (`value_and_update(...,
-accumulate=60, accumulator_dtype="bf16")`), 8-bit moments, and the stack's ``wq`` and ``wo`` kept on the card
-(their weights and accumulators leave the host budget; the card has room for them):
+accumulate=60, accumulator_dtype="bf16")`), 8-bit moments, and the stack's ``wq`` and ``wo``
+kept on the card (their weights and accumulators leave the host budget; the card has room for them):
 
   XLA_PYTHON_CLIENT_MEM_FRACTION=.95 python examples/consumer_13b.py --nvme-dir /nvme/run1 \
       --host-memory 48GiB --batch 2 --accumulate 60 --accumulator-dtype bf16 \

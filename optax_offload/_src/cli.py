@@ -314,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       window_bytes=args.window_bytes,
       activation_bytes=args.activations,
       bandwidths=_bandwidths(args),
-      nvme_options=_nvme_options(args),
+      nvme_options=nvme_options_of(args),
     )
     if args.tokens_per_step is not None and args.target is None:
       raise ValueError("--tokens-per-step needs --target, the card whose rates to use.")
@@ -334,17 +334,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   return 0 if result.fits else 1
 
 
-def _nvme_options(args) -> Any:
-  """The NVMe tier's options of ``--prefetch-depth`` and ``--write-depth`` (None: the defaults)."""
+def nvme_options_of(args) -> nvme_options.NvmeOptions:
+  """The NVMe tier's options of ``--prefetch-depth`` and ``--write-depth`` (the defaults where
+  `args` has none; `benchmarks/gpu_speed.py` takes the same flags)."""
   given = {
-    name: getattr(args, name)
+    name: getattr(args, name, None)
     for name in ("prefetch_depth", "write_depth")
-    if getattr(args, name) is not None
+    if getattr(args, name, None) is not None
   }
-  if not given:
-    return None
   try:
-    return nvme_options.NvmeOptions(**given)
+    return nvme_options.NvmeOptions.of(given)
   except ValueError as e:
     raise ValueError(f"--prefetch-depth / --write-depth: {e}") from None
 
