@@ -11,6 +11,8 @@ of ``python -m optax_offload plan`` (docs/consumer.md).
   python examples/consumer_13b.py --nvme-dir /nvme/run1                 # 13B, on the GPU
   python examples/consumer_13b.py --size tiny --steps 3 --nvme-dir /tmp/run1   # a CPU-sized copy
   python examples/consumer_13b.py --size tiny --steps 3 --no-nvme       # state in host memory only
+  python examples/consumer_13b.py --nvme-dir /tmp/run1 --compile-for rtx4090_24gb  # no GPU needed:
+      # the 13B step compiled for a 24 GB card from its shapes: its device bytes
 
 More tokens per update within 48 GiB of RAM (docs/consumer.md, "Speed"): 60 micro-batches of
 2 x 2,048 tokens a step, their gradients accumulated in bf16 (`value_and_update(...,
@@ -185,22 +187,25 @@ def batches(cfg: Config):
     yield jnp.asarray(text[start : start + n].reshape(shape))
 
 
-def plan(cfg: Config, args) -> oo.Estimate:
-  """`oo.estimate` of this model and machine: the same plan as ``python -m optax_offload plan``."""
-  spec = shapes(cfg, args.device_leaves)
+def abstract_params(cfg: Config, device_leaves=()) -> dict:
+  """The params' shapes, dtypes and memory kinds, with no memory behind them."""
   host = jax.sharding.NamedSharding(
     jax.sharding.Mesh(jax.devices()[:1], ("d",)),
     jax.sharding.PartitionSpec(),
     memory_kind="pinned_host",
   )
   device = host.with_memory_kind("device")
-  abstract = jax.tree.map(
+  return jax.tree.map(
     lambda s: jax.ShapeDtypeStruct(s[0], jnp.bfloat16, sharding=host if s[1] else device),
-    spec,
+    shapes(cfg, device_leaves),
     is_leaf=_is_spec,
   )
+
+
+def plan(cfg: Config, args) -> oo.Estimate:
+  """`oo.estimate` of this model and machine: the same plan as ``python -m optax_offload plan``."""
   return oo.estimate(
-    abstract,
+    abstract_params(cfg, args.device_leaves),
     optimizer=optax.adamw(args.lr),
     master_dtype="fp32",
     moment_dtype=args.moment_dtype,
@@ -245,6 +250,12 @@ def main(argv=None) -> dict:
     help="on a GPU: XLA's xla_gpu_memory_limit_slop_factor (its scheduler plans for 80%% of the "
     "card less the device inputs, times this %%; raise it with --device-leaves, e.g. 115)",
   )
+  p.add_argument(
+    "--compile-for",
+    metavar="TARGET",
+    help="compile the step for a GPU target without one (oo.TARGETS, e.g. rtx4090_24gb), print "
+    "its device bytes and exit: nothing is allocated or trained",
+  )
   p.add_argument("--json", help="write the losses and bytes per tier here")
   args = p.parse_args(argv)
   if not args.no_nvme and not args.nvme_dir:
@@ -273,8 +284,6 @@ def main(argv=None) -> dict:
     nvme_dir=None if args.no_nvme else args.nvme_dir,
     **moments,
   )
-  params = init_params(cfg, device_leaves=args.device_leaves)
-  state = tx.init(params)
   fused = oo.value_and_update(
     lambda p, t: loss_fn(cfg, p, t),
     tx,
@@ -282,13 +291,35 @@ def main(argv=None) -> dict:
     accumulator_dtype=args.accumulator_dtype,
   )
   step = jax.jit(fused, donate_argnums=(0, 1))
+  options = dict(oo.STREAM_XLA_OPTIONS)  # on a GPU, the options under which copies overlap compute
+  if args.xla_slop_factor is not None:
+    options["xla_gpu_memory_limit_slop_factor"] = args.xla_slop_factor
+  if args.compile_for:
+    params = abstract_params(cfg, args.device_leaves)
+    shape = next(batches(cfg)).shape
+    tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=params["embed"].sharding)
+    t0 = time.perf_counter()
+    state = oo.abstract_state(tx, params)
+    target = args.compile_for
+    program = oo.compile_for_gpu(step, params, state, tokens, target=target, xla_flags=options)
+    out = {
+      "device_bytes": program.memory.device,
+      "callbacks": len(program.schedule.callbacks),  # the NVMe tier's, in the program
+      "compile_s": time.perf_counter() - t0,
+    }
+    print(
+      f"compiled for {args.compile_for} in {out['compile_s']:.0f} s: "
+      f"{oo.format_bytes(out['device_bytes'])} of the card, {out['callbacks']} callback instructions"
+    )
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(out))
+    return out
+  params = init_params(cfg, device_leaves=args.device_leaves)
+  state = tx.init(params)
   losses = []
   data = batches(cfg)
   first = next(data)
-  if jax.default_backend() == "gpu":  # the options under which the copies overlap compute
-    options = dict(oo.STREAM_XLA_OPTIONS)
-    if args.xla_slop_factor is not None:
-      options["xla_gpu_memory_limit_slop_factor"] = args.xla_slop_factor
+  if jax.default_backend() == "gpu":
     step = step.lower(params, state, first).compile(compiler_options=options)
   for i in range(args.steps):
     t0 = time.perf_counter()
@@ -307,5 +338,6 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
   result = main()
-  oo.close_nvme(result["state"])
+  if "state" in result:
+    oo.close_nvme(result["state"])
   sys.exit(0)

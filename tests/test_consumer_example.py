@@ -67,3 +67,16 @@ def test_the_script_accumulates_with_8bit_moments_and_leaves_kept_on_the_card(tm
     assert memory["wq"] == memory["wo"] == "device" and memory["w_gate"] == "pinned_host"
   finally:
     oo.close_nvme(run["state"])
+
+
+def test_the_script_compiles_its_step_for_a_gpu_without_allocating(tmp_path):
+  # --compile-for: the step with its NVMe callbacks, compiled for the 4090 from the shapes alone
+  # (docs/consumer.md cites the 13B figure); the drive gets no state.
+  run = _example().main(
+    [*TINY, "--nvme-dir", str(tmp_path / "run1"), "--host-limit", "64KiB", "--accumulate", "2",
+     "--moment-dtype", "int8", "--device-leaves", "wq,wo", "--compile-for", "rtx4090_24gb"]
+  )  # fmt: skip
+  assert run["device_bytes"] > 0 and run["callbacks"] > 0
+  assert "losses" not in run
+  written = [p for p in (tmp_path / "run1").rglob("*") if p.is_file() and p.name != "LOCK"]
+  assert not written, written
