@@ -430,3 +430,39 @@ def test_stacks_of_different_depths_hold_their_own_rows():
   MiB = 2**20
   assert e.nvme_bytes == 36 * MiB and e.host_bytes == 0 and e.nvme_group_bytes == 3 * MiB
   assert e.nvme_buffer_bytes == 24 * MiB, e
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize(
+  "window, kept",
+  [("2.5GiB", ()), ("8GiB", ()), ("20GiB", ()), ("1GiB", ("w_gate", "w_up", "w_down"))],
+)
+def test_a_count_without_shapes_bounds_the_callbacks_copy(moments, window, kept):
+  # The bare count cannot see the leaves: its bound on a GPU callback's copy (the larger of a
+  # group's state and one layer's rows of all the NVMe state, at most the pair's rows) must hold
+  # the largest piece that the plan from the shapes cuts: Llama-2-13B's layer stack, all its state
+  # on NVMe, for windows whose groups hold one row of w_down up to pairs of every leaf; and with
+  # the MLP's leaves kept on the device, whose rows (not streamed) may exceed a group (1 GiB).
+  import dataclasses
+
+  from optax_offload._src import host_budget
+
+  d, f, layers = 5120, 13824, 40
+  shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w_gate": (d, f)}
+  shapes.update(w_up=(d, f), w_down=(f, d), norm=(d,))
+  params = {
+    k: one_device_bf16((layers, *s), None if k in kept else "pinned_host")
+    for k, s in shapes.items()
+  }
+  kwargs = dict(master_dtype="fp32", moment_dtype=None if moments == "fp32" else moments)
+  e = oo.estimate(
+    params, window_bytes=window, update_in_backward=True, host_limit=0, nvme_size="2TB", **kwargs
+  )
+  assert e.host_bytes == 0 and e.nvme_bytes > 0
+  stack = [(x.size * 2, layers, x.size) for k, x in params.items() if k not in kept]
+  on_device = estimate_lib._stack_leaves_on_device(params)
+  assert len(on_device) == len(kept)
+  from_shapes = host_budget.fused_nvme_block(e, stack, on_device)
+  bare = host_budget.fused_nvme_block(dataclasses.replace(e, plan=None), stack, on_device)
+  pair = 2 * -(-e.nvme_bytes // layers)
+  assert from_shapes <= bare <= pair, (from_shapes, bare, pair)
