@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,11 +45,22 @@ def offloaded_inner(
   updating master copies in `master_dtype` (when given) of the params narrower than it (the master
   wraps the moments' wrapper, so the master copy keeps its dtype)."""
   inner = optax.with_extra_args_support(inner)
+  twin = None
   if moment_dtype is not None:
+    twin = offloaded_inner(inner, master_dtype)
     inner = compress.with_moment_dtype(inner, moment_dtype)
   if master_dtype is not None:
     inner = master_lib.with_master_weights(inner, master_dtype)
+  if twin is not None:
+    _SEPARABILITY_TWINS[inner.update] = twin
   return inner
+
+
+_SEPARABILITY_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""For a transformation `offloaded_inner` returned with narrower moments, the same without them:
+`compress.with_moment_dtype` narrows each leaf's moments on its own, so the two mix leaves alike,
+and `derive_leaves` checks separability on the wider one, whose check compiles in a fraction of
+the time (8-bit moments: 2.4 s instead of 6.7 s for a 4-layer decoder's miniature, measured once)."""
 
 
 def window_bytes(given: int | None, device_memory: int | None) -> int:
@@ -202,7 +214,11 @@ def derive_leaves(
   layout = layout_lib.StateLayout(inner, treedef)
   shared, parts = layout.split(jax.eval_shape(inner.init, treedef.unflatten(list(avals))))
   if check_separable:
-    separable.check_separable(inner, layout, paths, avals)
+    twin = _SEPARABILITY_TWINS.get(inner.update)
+    if twin is None:
+      separable.check_separable(inner, layout, paths, avals)
+    else:
+      separable.check_separable(twin, layout_lib.StateLayout(twin, treedef), paths, avals)
   dims = tuple(separable.shared_dims(part, a.shape) for part, a in zip(parts, avals))
   rows = separable.splittable(inner, avals, parts, dims, min_size, axis=0)
   # A row slice of a leaf whose leading axis is sharded would cut across shards.
