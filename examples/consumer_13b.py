@@ -11,8 +11,8 @@ of ``python -m optax_offload plan`` (docs/consumer.md).
   python examples/consumer_13b.py --nvme-dir /nvme/run1                 # 13B, on the GPU
   python examples/consumer_13b.py --size tiny --steps 3 --nvme-dir /tmp/run1   # a CPU-sized copy
   python examples/consumer_13b.py --size tiny --steps 3 --no-nvme       # state in host memory only
-  python examples/consumer_13b.py --nvme-dir /tmp/run1 --compile-for rtx4090_24gb  # no GPU needed:
-      # the 13B step compiled for a 24 GB card from its shapes: its device bytes
+  python examples/consumer_13b.py --nvme-dir /tmp/run1 --compile-for rtx4090_24gb  # no GPU (the
+      # CUDA plugin): the 13B step compiled for a 24 GB card from its shapes, its device bytes
 
 More tokens per update within 48 GiB of RAM (docs/consumer.md, "Speed"): 60 micro-batches of
 2 x 2,048 tokens a step, their gradients accumulated in bf16 (`value_and_update(...,
@@ -174,14 +174,18 @@ def loss_fn(cfg: Config, params: dict, tokens: jax.Array) -> jax.Array:
   return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
 
+def batch_shape(cfg: Config) -> tuple[int, ...]:
+  """A step's tokens: (batch, seq + 1), or (accumulate, batch, seq + 1) with micro-batches."""
+  one = (cfg.batch, cfg.seq + 1)
+  return one if cfg.accumulate == 1 else (cfg.accumulate, *one)
+
+
 def batches(cfg: Config):
   """(batch, seq + 1) int32 windows of the standard library's bytes, in order; with `accumulate`
   k > 1, (k, batch, seq + 1): k micro-batches a step."""
   files = sorted(pathlib.Path(os.path.dirname(os.__file__)).glob("*.py"))
   text = np.frombuffer(b"".join(f.read_bytes() for f in files[:50]), np.uint8).astype(np.int32)
-  shape = (
-    (cfg.batch, cfg.seq + 1) if cfg.accumulate == 1 else (cfg.accumulate, cfg.batch, cfg.seq + 1)
-  )
+  shape = batch_shape(cfg)
   n = int(np.prod(shape))
   for start in range(0, len(text) - n, n):
     yield jnp.asarray(text[start : start + n].reshape(shape))
@@ -253,8 +257,8 @@ def main(argv=None) -> dict:
   p.add_argument(
     "--compile-for",
     metavar="TARGET",
-    help="compile the step for a GPU target without one (oo.TARGETS, e.g. rtx4090_24gb), print "
-    "its device bytes and exit: nothing is allocated or trained",
+    help="compile the step for a GPU target without a GPU (rtx4090_24gb, h100_24gb, h100_80gb; "
+    "needs the CUDA plugin), print its device bytes and exit: nothing is allocated or trained",
   )
   p.add_argument("--json", help="write the losses and bytes per tier here")
   args = p.parse_args(argv)
@@ -296,8 +300,8 @@ def main(argv=None) -> dict:
     options["xla_gpu_memory_limit_slop_factor"] = args.xla_slop_factor
   if args.compile_for:
     params = abstract_params(cfg, args.device_leaves)
-    shape = next(batches(cfg)).shape
-    tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=params["embed"].sharding)
+    sharding = params["embed"].sharding
+    tokens = jax.ShapeDtypeStruct(batch_shape(cfg), jnp.int32, sharding=sharding)
     t0 = time.perf_counter()
     state = oo.abstract_state(tx, params)
     target = args.compile_for

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import gpu_compile_or_skip
 
 import optax_offload as oo
 
@@ -72,6 +73,7 @@ def test_the_script_accumulates_with_8bit_moments_and_leaves_kept_on_the_card(tm
 def test_the_script_compiles_its_step_for_a_gpu_without_allocating(tmp_path):
   # --compile-for: the step with its NVMe callbacks, compiled for the 4090 from the shapes alone
   # (docs/consumer.md cites the 13B figure); the drive gets no state.
+  gpu_compile_or_skip()
   run = _example().main(
     [*TINY, "--nvme-dir", str(tmp_path / "run1"), "--host-limit", "64KiB", "--accumulate", "2",
      "--moment-dtype", "int8", "--device-leaves", "wq,wo", "--compile-for", "rtx4090_24gb"]

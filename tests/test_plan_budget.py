@@ -4,6 +4,7 @@ Numbers checked by hand; the consumer machine of issue 22 (a 24 GB card, 64 GB o
 48 GiB for the run, a 2 TB NVMe drive) is the main case.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -14,6 +15,7 @@ from helpers import one_device_bf16
 import optax_offload as oo
 from optax_offload._src import cli
 from optax_offload._src import estimate as estimate_lib
+from optax_offload._src import host_budget
 
 GiB = 2**30
 TWO_TB_FREE = 1_900_000_000_000  # a 2 TB drive, mostly free
@@ -27,7 +29,8 @@ TWO_TB_FREE = 1_900_000_000_000  # a 2 TB drive, mostly free
 #   state 12 B x 13e9 = 156e9 B. With the update in the backward pass the NVMe tier holds a pair of
 #     layers' NVMe state in host memory, and on a GPU the copy its callbacks take of one piece of
 #     the pair's rows, which a count without shapes bounds by the larger of a group's state
-#     (window / 2.25) and one layer's rows of the NVMe state (here a layer: 1 more), one group
+#     (window / 2.25 = 858_993_459 B) and one layer's rows of the NVMe state (about 3.6e9 B: one
+#     layer more), one group
 #     read ahead and one written behind (groups of half the window, 966_367_641 B), and 4
 #     write-staging buffers of 4 MiB:
 #     buffers = 3 * ceil(nvme / 40) + 2 * 966_367_641 + 16_777_216
@@ -443,10 +446,6 @@ def test_a_count_without_shapes_bounds_the_callbacks_copy(moments, window, kept)
   # the largest piece that the plan from the shapes cuts: Llama-2-13B's layer stack, all its state
   # on NVMe, for windows whose groups hold one row of w_down up to pairs of every leaf; and with
   # the MLP's leaves kept on the device, whose rows (not streamed) may exceed a group (1 GiB).
-  import dataclasses
-
-  from optax_offload._src import host_budget
-
   d, f, layers = 5120, 13824, 40
   shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w_gate": (d, f)}
   shapes.update(w_up=(d, f), w_down=(f, d), norm=(d,))

@@ -43,7 +43,7 @@ def _planned_groups(log: str) -> int:
 # Eagerly (op by op, loops unrolled: `stream`) for a few optimizers whose state and arithmetic
 # differ in kind: the Adam family's bias correction, lamb's per-leaf norms, lion's signs (whose
 # state differed when an eager update ran in a compiled loop: `stream`), adafactor's factored
-# state; the rest jitted only (the eager path does not otherwise depend on the optimizer; all 13
+# state; the rest jitted only (the eager path does not otherwise depend on the optimizer; all 12
 # eagerly took 83 s of the suite).
 EAGER = ("adam", "lamb", "lion", "adafactor")
 _MATCH_CASES = [

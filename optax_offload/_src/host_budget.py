@@ -252,14 +252,20 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
       "read ahead in update order, written behind",
     )
     # One callback a piece of the pair's groups; a count without shapes bounds the largest piece.
-    bound = "" if e.plan is not None else "; without shapes, a group or one layer's rows of it all"
+    bound = (
+      ""
+      if e.plan is not None
+      else (
+        "; without shapes, at most a group or one layer's rows of all the NVMe state, the larger"
+      )
+    )
     add(
       "NVMe staging buffers",
       "host",
       e.nvme_buffer_bytes,
       (
         "the NVMe groups that the pair of layers being updated in the backward pass touches and "
-        f"a copy of the largest group's rows of the pair (a GPU callback's operands{bound}), the "
+        f"a copy of the largest piece of the pair's rows (a GPU callback's operands{bound}), the "
         "groups read ahead and written behind, and the write staging"
         if e.update_in_backward
         else "store groups read ahead, read from, written behind and copied for the next put, "
@@ -425,15 +431,15 @@ def fused_nvme_block(
   `value_and_update` splits a leaf with state, whatever the plan of the whole leaf). A put's new
   rows wait there before they go into the held groups; a fetch that joins two row slices makes
   such a copy too, never at the same time. For a bare count, which cannot see the leaves, a bound
-  that holds whatever they are: a piece is one leaf's rows of a block, which fit a group
-  (``window_bytes / WINDOW_SLOTS`` of weights, gradients and state) or else are one row, and one
-  leaf's row is at most one row of all the NVMe state: the least of a block's rows of all of it
-  and the larger of a group and one such row."""
+  that holds whatever they are: a piece is one leaf's rows of a block, whose state fits a group
+  (``window_bytes / WINDOW_SLOTS``; a byte more from rounding each row up) or else is one row, and
+  one leaf's row is at most one row of all the NVMe state: the least of a block's rows of all of
+  it and the larger of a group and one such row."""
   pieces = []
   for i, (row, n) in _stack_nvme_rows(e, stack[0][1], on_device).items():
     block = min(plan_lib.FUSED_NVME_LAYERS_HELD, n)
     if e.plan is None:
-      group = int(e.window_bytes / plan_lib.WINDOW_SLOTS)
+      group = int(e.window_bytes / plan_lib.WINDOW_SLOTS) + 1
       pieces.append(min(block * row, max(group, row)))
       continue
     info = plan_lib.block_info(e.leaves[i], block, n, split=True)

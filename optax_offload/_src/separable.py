@@ -336,19 +336,15 @@ def check_separable(
   @jax.jit
   def joint_and_grouped(params, grads):
     params_tree = layout.params_treedef.unflatten(params)
-
-    def step(states, g):  # one step a scan iteration: the update is traced once, not per step
-      joint_state, split_state = states
+    joint_state = split_state = inner.init(params_tree)
+    out = []
+    for g in grads:
       joint, joint_state = inner.update(
         layout.params_treedef.unflatten(g), joint_state, params_tree
       )
       split, split_state = run_grouped(inner, layout, groups, g, split_state, params)
-      return (joint_state, split_state), (layout.params_treedef.flatten_up_to(joint), split)
-
-    state = inner.init(params_tree)
-    stacked = jax.tree.map(lambda *g: jnp.stack(g), *grads)
-    _, out = jax.lax.scan(step, (state, state), stacked)
-    return [jax.tree.map(lambda x, t=t: x[t], out) for t in range(len(grads))]
+      out.append((layout.params_treedef.flatten_up_to(joint), split))
+    return out
 
   with jax.ensure_compile_time_eval():
     try:
