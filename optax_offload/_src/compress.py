@@ -179,7 +179,8 @@ def _blocks(x: jax.Array) -> jax.Array:
 
 
 # Jitted, as `dequantize`: a step or a probe that quantizes many moments of one shape traces it once
-# (inlined into the caller's program: the same HLO); eagerly, one program, not one per op.
+# (inlined into the caller's program: the same HLO); eagerly, one program, not one per op (an
+# eager int8 init ran about 150 small compiles, 7 s of a 4-layer decoder's init, op by op).
 @functools.partial(jax.jit, static_argnames="signed")
 def quantize(x: jax.Array, signed: bool) -> QuantizedMoment:
   """`x` (fp32, at least 1-D) as 8-bit codes (int8 with the signed map, uint8 with the unsigned
@@ -328,7 +329,9 @@ def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: A
       (p_leaf,) = jax.tree.leaves(p)
       if not quantizes(jnp.shape(x_leaf)) or not is_moment(x_leaf, p_leaf, INT8):
         return x
-      q = _quantize_initial(x_leaf, signed)
+      # The barrier keeps XLA from constant-folding the quantization of the initial zeros inside a
+      # trace (over 1 s for a 1024 x 256 moment: folding runs element by element at compile time).
+      q = quantize(jax.lax.optimization_barrier(x_leaf), signed)
       return QuantizedMoment(x_def.unflatten([q.codes]), x_def.unflatten([q.scales]))
 
     return jax.tree.map(one, value, params, is_leaf=_is_wrapper)
@@ -336,16 +339,6 @@ def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: A
   return jax.tree_util.tree_map_with_path(
     per_slot, template, state, is_leaf=layout_lib.is_placeholder
   )
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _quantize_initial(x: jax.Array, signed: bool) -> QuantizedMoment:
-  """`quantize` of an initial moment: one compiled program per shape (an eager ``init`` ran the
-  quantization op by op, about 150 small compiles and 7 s of a 4-layer decoder's
-  ``offload(..., moment_dtype="int8")`` init). The barrier keeps XLA from constant-folding the
-  quantization of the initial zeros inside a trace (over 1 s for a 1024 x 256 moment: folding runs
-  element by element at compile time)."""
-  return quantize(jax.lax.optimization_barrier(x), signed)
 
 
 def _quantized_moments(

@@ -432,14 +432,14 @@ def fused_nvme_block(
   rows wait there before they go into the held groups; a fetch that joins two row slices makes
   such a copy too, never at the same time. For a bare count, which cannot see the leaves, a bound
   that holds whatever they are: a piece is one leaf's rows of a block, whose state fits a group
-  (``window_bytes / WINDOW_SLOTS``; a byte more from rounding each row up) or else is one row, and
+  (`plan.group_budget`; a byte more from rounding each row up) or else is one row, and
   one leaf's row is at most one row of all the NVMe state: the least of a block's rows of all of
   it and the larger of a group and one such row."""
   pieces = []
   for i, (row, n) in _stack_nvme_rows(e, stack[0][1], on_device).items():
     block = min(plan_lib.FUSED_NVME_LAYERS_HELD, n)
     if e.plan is None:
-      group = int(e.window_bytes / plan_lib.WINDOW_SLOTS) + 1
+      group = plan_lib.group_budget(e.window_bytes) + 1
       pieces.append(min(block * row, max(group, row)))
       continue
     info = plan_lib.block_info(e.leaves[i], block, n, split=True)

@@ -305,7 +305,7 @@ def make_plan(
       tiers[i] = Tier.NVME
       host_bytes -= leaves[i].held_bytes
 
-  budget = max(int(window_bytes / WINDOW_SLOTS), 1)
+  budget = group_budget(window_bytes)
   units = _pack(_pieces(leaves, tiers, budget), leaves, tiers, budget)
 
   bytes_per_tier = {t.value: 0 for t in Tier}
@@ -362,6 +362,16 @@ def block_info(leaf: LeafInfo, rows: int, layers: int, split: bool) -> LeafInfo:
   )
 
 
+def group_budget(window_bytes: int) -> int:
+  """Bytes a group of the update may hold for `window_bytes`: ``window_bytes / WINDOW_SLOTS``.
+
+  Examples:
+    >>> group_budget(2_250_000)
+    1000000
+  """
+  return max(int(window_bytes / WINDOW_SLOTS), 1)
+
+
 def largest_piece_rows(leaf: LeafInfo, window_bytes: int) -> int:
   """Rows of the largest piece `make_plan` cuts `leaf` into for `window_bytes` (all its rows when
   it stays whole).
@@ -370,7 +380,7 @@ def largest_piece_rows(leaf: LeafInfo, window_bytes: int) -> int:
     >>> largest_piece_rows(LeafInfo("w", 2 * 1024, 2 * 8192, rows=2), window_bytes=20_000)
     1
   """
-  budget = max(int(window_bytes / WINDOW_SLOTS), 1)
+  budget = group_budget(window_bytes)
   pieces = _pieces([leaf], [Tier.HOST], budget)
   return max(max(leaf.rows, 1) if p.whole else p.stop - p.start for p in pieces)
 
