@@ -82,3 +82,134 @@ def test_the_script_compiles_its_step_for_a_gpu_without_allocating(tmp_path):
   assert "losses" not in run
   written = [p for p in (tmp_path / "run1").rglob("*") if p.is_file() and p.name != "LOCK"]
   assert not written, written
+
+
+def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
+  # offload(host_memory=...): the pinned host memory of the run in all (the stack's weights in
+  # pinned host memory, the state, the NVMe buffers, other pinned arrays); init keeps in RAM the
+  # state that the plan (oo.estimate, as `plan --host-memory`) leaves, the rest on NVMe, and trains
+  # as host_limit does.
+  import dataclasses
+  import gc
+
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from optax_offload._src import memory
+
+  ex = _example()
+  cfg = ex.SIZES["tiny"]
+  window = "512KiB"  # a group holds a row of w_gate (64 x 128: 131 KB of weights, grads, state)
+  weights = cfg.layers * (4 * cfg.d * cfg.d + 3 * cfg.d * cfg.ffn + 2 * cfg.d) * 2
+  params = ex.init_params(cfg)
+  gc.collect()
+  other = memory.pinned_host_bytes(exclude=params)  # what earlier tests left in this process
+  # 1.2 MB of state in RAM, 1.2 MB on NVMe, 0.8 MB of buffers
+  budget = other + weights + 5 * 2**19
+
+  def plan(host_memory):
+    return oo.estimate(
+      ex.abstract_params(cfg), optimizer=optax.adamw(1e-2), master_dtype="fp32",
+      window_bytes=window, host_memory=host_memory, nvme_dir=str(tmp_path / "plan"),
+    )  # fmt: skip
+
+  def offload(nvme_dir, **budget_kwargs):
+    return oo.offload(
+      optax.adamw(1e-2), master_dtype=jnp.float32, window_bytes=window,
+      nvme_dir=str(nvme_dir), **budget_kwargs,
+    )  # fmt: skip
+
+  def run(tx, params):
+    state = tx.init(params)
+    step = jax.jit(oo.value_and_update(lambda p, t: ex.loss_fn(cfg, p, t), tx))
+    losses, data = [], ex.batches(cfg)
+    for _ in range(2):
+      loss, params, state = step(params, state, next(data))
+      losses.append(float(loss))
+    oo.sync_nvme(state)
+    footprint = oo.footprint(state)
+    oo.close_nvme(state)
+    return losses, footprint
+
+  e = plan(budget - other)
+  assert e.fits, e.shortfalls
+  assert 0 < e.host_bytes and e.nvme_bytes > 0 and e.host_total_bytes <= budget - other
+  assert not e.update_in_backward  # the stack's gradients fit beside it: update_and_apply too
+  tx = offload(tmp_path / "a", host_memory=budget)
+  losses, footprint = run(tx, params)
+  assert footprint["host"] == e.host_bytes and footprint["nvme"] == e.nvme_bytes
+  # The same placement from the budget as from the plan's host_limit: the same numbers.
+  assert run(offload(tmp_path / "b", host_limit=e.host_bytes), ex.init_params(cfg))[0] == losses
+
+  # Arrays already in pinned host memory at init come out of the budget: less state in RAM.
+  params = ex.init_params(cfg)
+  gc.collect()
+  left = memory.pinned_host_bytes(exclude=params)  # what the runs above left
+  extra = oo.to_pinned_host(jnp.zeros(2**17, jnp.float32))  # 512 KiB
+  state = offload(tmp_path / "c", host_memory=left + weights + 5 * 2**19).init(params)
+  with_extra = plan(weights + 5 * 2**19 - extra.nbytes).host_bytes
+  assert oo.footprint(state)["host"] == with_extra < e.host_bytes
+  oo.close_nvme(state)
+  del extra
+
+  # A deep stack of narrow layers in a budget its gradients do not fit beside: the plan puts the
+  # update in the backward pass (as for the 13B in 48 GiB), and the whole gradients are refused.
+  deep = dataclasses.replace(cfg, d=32, ffn=64, layers=32, heads=2)
+  deep_weights = deep.layers * (4 * deep.d * deep.d + 3 * deep.d * deep.ffn + 2 * deep.d) * 2
+  deep_params = ex.init_params(deep)
+  gc.collect()
+  deep_budget = memory.pinned_host_bytes(exclude=deep_params) + 19 * deep_weights // 10
+  deep_tx = oo.offload(
+    optax.adamw(1e-2), master_dtype=jnp.float32, window_bytes="80KiB",
+    nvme_dir=str(tmp_path / "deep"), host_memory=deep_budget,
+  )  # fmt: skip
+  deep_state = deep_tx.init(deep_params)
+  assert 0 < oo.footprint(deep_state)["host"] and oo.footprint(deep_state)["nvme"] > 0
+  with pytest.raises(ValueError, match=r"backward pass .* oo\.value_and_update"):
+    deep_tx.update(deep_params, deep_state, deep_params)  # the stack's gradients whole
+  oo.close_nvme(deep_state)
+
+  # What the plan does not count is refused, with what to do.
+  with pytest.raises(ValueError, match=r"MultiSteps' accumulators .* accumulate=k"):
+    oo.init(optax.MultiSteps(tx, every_k_schedule=2), params)
+  with pytest.raises(ValueError, match=r"accumulate=2 .* oo\.estimate"):
+    oo.value_and_update(lambda p, t: ex.loss_fn(cfg, p, t), tx, accumulate=2)
+  with pytest.raises(ValueError, match=r"inside jax\.jit .* outside jit"):
+    jax.jit(offload(tmp_path / "d", host_memory=budget).init)(params)
+  with pytest.raises(ValueError, match="host_limit .* or host_memory .* not both"):
+    oo.offload(optax.adamw(1e-2), host_limit="1MiB", host_memory="1GiB")
+  # Less than the stack's weights: refused at init with the plan's advice.
+  small = offload(tmp_path / "e", host_memory=other + weights // 2)
+  with pytest.raises(ValueError, match=r"host_memory .* does not fit .* host: .*raise"):
+    small.init(params)
+
+
+def test_host_memory_counts_a_resumed_stores_files_as_room(tmp_path, monkeypatch):
+  # A resumed store writes its next generations over the ones it keeps: their blocks are room.
+  import dataclasses
+  import os
+
+  import jax
+  import optax
+
+  from optax_offload._src import estimate
+  from optax_offload._src import offload
+
+  chunk = tmp_path / "process_0" / "gen_00000003" / "c0"
+  chunk.parent.mkdir(parents=True)
+  chunk.write_bytes(b"\1" * 2**20)
+  kept = os.lstat(chunk).st_blocks * 512
+  assert kept >= 2**20
+  short = estimate.Shortfall("nvme", needed=10**6 + kept, available=10**6, advice="")
+  assert not offload._short_of_disk(short, {"nvme_dir": str(tmp_path)})
+  assert offload._short_of_disk(
+    dataclasses.replace(short, needed=short.needed + 1), {"nvme_dir": str(tmp_path)}
+  )
+  assert offload._short_of_disk(short, {"nvme_dir": str(tmp_path / "empty")})
+
+  # One process's plan: a multi-process run is refused, with what to pass instead.
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  tx = oo.offload(optax.adam(1e-3), host_memory="1GiB")
+  with pytest.raises(NotImplementedError, match="host_limit"):
+    tx.init({"w": jax.numpy.ones((64, 128))})

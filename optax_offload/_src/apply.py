@@ -83,6 +83,14 @@ def _structure(tx: Any, name: str) -> _Structure:
         "offload, use tx.update and optax.apply_updates."
       )
     structure = _Structure(offloaded, clip, multi)
+  if multi is not None and structure.offloaded.host_memory is not None:
+    raise ValueError(
+      f"{name}: offload(host_memory=...) plans one gradient a step, and optax.MultiSteps' "
+      "accumulators take pinned host memory too (the size of the gradients there). Accumulate "
+      "with oo.value_and_update(..., accumulate=k) and offload(..., host_limit=oo.estimate("
+      "params, ..., host_memory=..., accumulate=k).host_bytes), or pass offload a host_limit "
+      "that leaves room for MultiSteps' accumulators."
+    )
   if multi is not None and not _compat.multi_steps_skips_nothing(multi):
     raise NotImplementedError(
       f"{name}: optax.MultiSteps with a should_skip_update_fn is not supported; leave it out."

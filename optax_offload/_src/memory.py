@@ -11,6 +11,7 @@ SingleDeviceSharding in pinned host memory traces as device memory. So traced co
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -85,3 +86,24 @@ def to_pinned_host(tree: Any) -> Any:
     return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
 
   return jax.tree.map(put, tree)
+
+
+def pinned_host_bytes(exclude: Any = ()) -> int:
+  """Bytes of this process's live arrays in pinned host memory, less those of the arrays in
+  `exclude` (a tree): one buffer per device a shard lives on, as the pinned pool holds them.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> x = to_pinned_host(jnp.ones(1024))
+    >>> pinned_host_bytes() - pinned_host_bytes(exclude=[x])
+    4096
+  """
+  skip = {id(a) for a in jax.tree.leaves(exclude)}
+  total = 0
+  for a in jax.live_arrays():
+    if id(a) in skip or a.is_deleted() or not is_pinned_host(a.sharding):
+      continue
+    shard = a.sharding.shard_shape(a.shape)
+    count = len(a.sharding.addressable_devices)
+    total += count * a.dtype.itemsize * int(math.prod(shard))
+  return total

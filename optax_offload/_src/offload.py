@@ -10,6 +10,7 @@ reference) is about 70 of its 120 lines; the code is the transformation class an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -42,6 +43,7 @@ def offload(
   inner: optax.GradientTransformation,
   *,
   host_limit: int | str | None = None,
+  host_memory: int | str | None = None,
   nvme_dir: str | None = None,
   update_on: str = "device",
   master_dtype: Any = None,
@@ -67,6 +69,19 @@ def offload(
       offload(optax.adamw(1e-3)))``.
     host_limit: pinned-host budget for the offloaded state, in bytes or a string like ``"64GiB"``;
       None for no limit.
+    host_memory: instead of `host_limit`, the pinned host memory the run may use in all: the
+      params already in pinned host memory (a layer stack streamed by `offloaded_scan`), their
+      gradients where the plan keeps them there, the offloaded state, the NVMe tier's buffers and
+      any other array already in pinned host memory at ``init``. At ``init`` (outside `jax.jit`)
+      the state's host budget is what `estimate` with the params' shapes and this
+      transformation's options leaves of it (as ``python -m optax_offload plan --host-memory``),
+      the rest of the state goes to `nvme_dir`; a budget that does not fit is refused with the
+      plan's advice. The plan picks the stack's update inside the backward pass where the
+      stack's gradients do not fit beside it; `tx.update` then refuses the whole gradients (train
+      with `value_and_update`). It plans one micro-batch a step, in one process:
+      ``value_and_update(..., accumulate=k)`` and ``optax.MultiSteps``, whose accumulators take
+      host memory too, and multi-process runs are refused; pass
+      ``host_limit=oo.estimate(params, ..., host_memory=..., accumulate=k).host_bytes``.
     nvme_dir: directory for state beyond ``host_limit``: TensorStore arrays in
       ``nvme_dir/process_{i}``, one generation per step, committed atomically. The directory is
       locked by this process until `close_nvme` (or exit); `sync_nvme` waits for
@@ -139,10 +154,17 @@ def offload(
     raise TypeError(f"nvme_dir must be a directory path, got {type(nvme_dir).__name__}.")
   nvme_options = nvme.NvmeOptions.of(nvme_options)
   host_limit_bytes = units.parse_bytes(host_limit, "host_limit")
+  host_memory_bytes = units.parse_bytes(host_memory, "host_memory")
+  if host_limit_bytes is not None and host_memory_bytes is not None:
+    raise ValueError(
+      "offload: pass host_limit (the offloaded state's host budget) or host_memory (the run's "
+      "pinned host memory in all, of which offload plans the state's share at init), not both."
+    )
 
   moment_dtype = compress.parse_moment_dtype(moment_dtype)
+  planned = _HostMemoryPlan(inner, master_dtype, moment_dtype, host_memory_bytes)
   inner = tree_plan.offloaded_inner(inner, master_dtype, moment_dtype)
-  if nvme_dir is not None and host_limit_bytes is None:
+  if nvme_dir is not None and host_limit_bytes is None and host_memory_bytes is None:
     warnings.warn(
       "offload: nvme_dir is given but host_limit is None, so the host tier takes all the state "
       "and nothing goes to NVMe. Pass host_limit (e.g. host_limit='64GiB') to keep the rest on "
@@ -161,10 +183,85 @@ def offload(
       nvme_options=nvme_options,
       check_separable=check_separable,
     ),
+    None if host_memory_bytes is None else planned,
   )
   tx = optax.GradientTransformationExtraArgs(offloaded.init, offloaded.update)
   _OFFLOADED[tx.update] = offloaded
   return tx
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostMemoryPlan:
+  """`offload(host_memory=...)`: the transformation as given and the run's pinned host memory."""
+
+  optimizer: Any
+  master_dtype: Any
+  moment_dtype: Any
+  host_memory: int | None
+
+  def plan(self, treedef, avals, shardings, params, options: dict[str, Any], update_on: str):
+    """`estimate`'s plan of `host_memory` for params of these shapes (as the ``plan`` command's),
+    less what other live arrays already hold in pinned host memory (another offload's state, a
+    copy of the params): its ``host_bytes`` is the offloaded state's host budget. ValueError with
+    its advice where it does not fit (the device is not checked: offload does not know the
+    activations)."""
+    from optax_offload._src import estimate as estimate_lib  # estimate imports this module
+
+    if jax.process_count() > 1:
+      raise NotImplementedError(
+        "offload(host_memory=...) plans one process's params whole; in a multi-process run give "
+        "each process host_limit instead: the state's host budget per process."
+      )
+    other = memory.pinned_host_bytes(exclude=params)
+    params = treedef.unflatten(
+      [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)]
+    )
+    e = estimate_lib.estimate(
+      params,
+      optimizer=self.optimizer,
+      master_dtype=self.master_dtype,
+      moment_dtype=self.moment_dtype,
+      update_on=update_on,
+      host_memory=max(self.host_memory - other, 0),
+      nvme_dir=options["nvme_dir"],
+      nvme_options=options["nvme_options"],
+      min_size=options["min_size"],
+      window_bytes=tree_plan.window_bytes(options["window_bytes"], setup_lib.device_memory()),
+    )
+    taken = (
+      f" ({units.format_bytes(other)} of it already held by other arrays in pinned host memory)"
+      if other
+      else ""
+    )
+    shortfalls = [f for f in e.shortfalls if f.tier == "host" or _short_of_disk(f, options)]
+    if shortfalls:
+      raise ValueError(
+        f"offload: host_memory {units.format_bytes(self.host_memory)}{taken} does not fit this "
+        "model's plan: " + " ".join(f"{f.tier}: {f.advice}" for f in shortfalls)
+      )
+    logger.info(
+      "offload: host_memory %s%s: %s of offloaded state in host memory, the rest (%s) on NVMe",
+      units.format_bytes(self.host_memory),
+      taken,
+      units.format_bytes(e.host_bytes),
+      units.format_bytes(e.nvme_bytes),
+    )
+    return e
+
+
+def _short_of_disk(shortfall, options: dict[str, Any]) -> bool:
+  """Whether an NVMe shortfall stands once the generations a resumed store keeps on the disk are
+  counted as room (the store writes over them)."""
+  if shortfall.tier != "nvme" or options["nvme_dir"] is None:
+    return False
+  kept = 0
+  for root, _, files in os.walk(options["nvme_dir"]):
+    for name in files:
+      try:
+        kept += os.lstat(os.path.join(root, name)).st_blocks * 512
+      except OSError:
+        pass
+  return shortfall.needed > shortfall.available + kept
 
 
 class _Offloaded:
@@ -175,13 +272,17 @@ class _Offloaded:
   update plain arrays) or dtypes, so one `offload` never opens a second store for one tree.
   """
 
-  def __init__(self, inner, master_dtype, update_on: str, options: dict[str, Any]):
+  def __init__(
+    self, inner, master_dtype, update_on: str, options: dict[str, Any], host_memory=None
+  ):
     self.inner, self.master_dtype, self.update_on, self.options = (
       inner,
       master_dtype,
       update_on,
       options,
     )
+    self.host_memory: _HostMemoryPlan | None = host_memory
+    self.planned = None  # host_memory's plan (an `Estimate`), made at init
     self.setups: dict[tuple[tuple[int, ...], ...], setup_lib.Setup] = {}
     self.layouts: dict[Any, layout_lib.StateLayout] = {}
 
@@ -190,15 +291,19 @@ class _Offloaded:
       self.layouts[treedef] = layout_lib.StateLayout(self.inner, treedef)
     return self.layouts[treedef]
 
-  def setup_for_init(self, treedef, paths, avals, shardings) -> setup_lib.Setup:
+  def setup_for_init(self, treedef, paths, avals, shardings, params=()) -> setup_lib.Setup:
     key = tuple(tuple(a.shape) for a in avals)
     old = self.setups.get(key)
     dtypes = tuple(jnp.dtype(a.dtype) for a in avals)
     if old is not None and old.usable and old.dtypes == dtypes:
       return old
-    self.setups[key] = setup_lib.make_setup(
-      self.inner, treedef, paths, avals, shardings, **self.options
-    )
+    options = self.options
+    if self.host_memory is not None:
+      self.planned = self.host_memory.plan(
+        treedef, avals, shardings, params, options, self.update_on
+      )
+      options = dict(options, host_limit=self.planned.host_bytes)
+    self.setups[key] = setup_lib.make_setup(self.inner, treedef, paths, avals, shardings, **options)
     self.layouts.setdefault(treedef, self.setups[key].layout)
     return self.setups[key]
 
@@ -229,7 +334,13 @@ class _Offloaded:
     shardings = [getattr(v, "sharding", None) for v in values]
     if self.master_dtype is not None:
       master_lib.check_master_dtype(values, paths, self.master_dtype)
-    setup = self.setup_for_init(treedef, paths, avals, shardings)
+    if self.host_memory is not None and any(isinstance(v, jax.core.Tracer) for v in values):
+      raise ValueError(
+        "offload(host_memory=...) plans from where the params are (the layer stack in pinned host "
+        "memory); inside jax.jit their placement is unknown: call tx.init(params) outside jit, or "
+        "pass host_limit=oo.estimate(params_with_shardings, ..., host_memory=...).host_bytes."
+      )
+    setup = self.setup_for_init(treedef, paths, avals, shardings, params)
     layout = self.layout_for(treedef)
 
     def leaves_of(concrete):
@@ -302,6 +413,15 @@ class _Offloaded:
     if not isinstance(state, OffloadState):
       raise TypeError(
         f"offload's update expects the OffloadState returned by its init, got {type(state).__name__}."
+      )
+    planned = self.planned
+    if planned is not None and planned.weights_on == "host" and planned.update_in_backward:
+      raise ValueError(
+        "offload(host_memory=...) planned the layer stack's update inside the backward pass "
+        "(oo.value_and_update), whose gradients are never whole, and gave their host memory to "
+        "the state; tx.update and oo.update_and_apply take the stack's gradients whole. Train "
+        "with oo.value_and_update, or plan this step: e = oo.estimate(params, ..., "
+        "host_memory=..., update_in_backward=False), then offload(..., host_limit=e.host_bytes)."
       )
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     paths = [layout_lib.leaf_path(p) for p, _ in flat]
