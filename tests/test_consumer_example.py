@@ -120,9 +120,14 @@ def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
       nvme_dir=str(nvme_dir), **budget_kwargs,
     )  # fmt: skip
 
-  def run(tx, params):
+  def run(tx, params, cfg=cfg, accumulator_dtype=jnp.float32):
     state = tx.init(params)
-    step = jax.jit(oo.value_and_update(lambda p, t: ex.loss_fn(cfg, p, t), tx))
+    loss_fn = lambda p, t: ex.loss_fn(cfg, p, t)  # noqa: E731
+    step = jax.jit(
+      oo.value_and_update(
+        loss_fn, tx, accumulate=cfg.accumulate, accumulator_dtype=accumulator_dtype
+      )
+    )
     losses, data = [], ex.batches(cfg)
     for _ in range(2):
       loss, params, state = step(params, state, next(data))
@@ -153,6 +158,26 @@ def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
   oo.close_nvme(state)
   del extra
 
+  # Micro-batches accumulated in bf16 in pinned host memory: planned with them.
+  acc_cfg = dataclasses.replace(cfg, accumulate=2)
+  params = ex.init_params(acc_cfg)
+  gc.collect()
+  left = memory.pinned_host_bytes(exclude=params)
+  e_acc = oo.estimate(
+    ex.abstract_params(acc_cfg), optimizer=optax.adamw(1e-2), master_dtype="fp32",
+    window_bytes=window, host_memory=2 * weights + 5 * 2**19, accumulate=2,
+    accumulator_dtype="bf16", nvme_dir=str(tmp_path / "plan"),
+  )  # fmt: skip
+  assert e_acc.fits and e_acc.accumulator_bytes == weights and e_acc.host_bytes > 0
+  acc_tx = offload(
+    tmp_path / "acc", host_memory=left + 2 * weights + 5 * 2**19, accumulate=2,
+    accumulator_dtype="bf16",
+  )  # fmt: skip
+  acc_losses, acc_footprint = run(acc_tx, params, acc_cfg, jnp.bfloat16)
+  assert acc_footprint["host"] == e_acc.host_bytes and np.all(np.isfinite(acc_losses))
+  with pytest.raises(ValueError, match=r"planned accumulate=2, accumulator_dtype=bfloat16"):
+    oo.value_and_update(lambda p, t: ex.loss_fn(acc_cfg, p, t), acc_tx, accumulate=2)
+
   # A deep stack of narrow layers in a budget its gradients do not fit beside: the plan puts the
   # update in the backward pass (as for the 13B in 48 GiB), and the whole gradients are refused.
   deep = dataclasses.replace(cfg, d=32, ffn=64, layers=32, heads=2)
@@ -173,10 +198,12 @@ def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
   # What the plan does not count is refused, with what to do.
   with pytest.raises(ValueError, match=r"MultiSteps' accumulators .* accumulate=k"):
     oo.init(optax.MultiSteps(tx, every_k_schedule=2), params)
-  with pytest.raises(ValueError, match=r"accumulate=2 .* oo\.estimate"):
+  with pytest.raises(ValueError, match=r"planned one micro-batch a step, not accumulate=2"):
     oo.value_and_update(lambda p, t: ex.loss_fn(cfg, p, t), tx, accumulate=2)
   with pytest.raises(ValueError, match=r"inside jax\.jit .* outside jit"):
     jax.jit(offload(tmp_path / "d", host_memory=budget).init)(params)
+  with pytest.raises(ValueError, match="without host_memory pass them to oo.value_and_update"):
+    oo.offload(optax.adamw(1e-2), accumulate=2)
   with pytest.raises(ValueError, match="host_limit .* or host_memory .* not both"):
     oo.offload(optax.adamw(1e-2), host_limit="1MiB", host_memory="1GiB")
   # Less than the stack's weights: refused at init with the plan's advice.

@@ -52,6 +52,8 @@ def offload(
   check_separable: bool = True,
   nvme_options: nvme.NvmeOptions | dict[str, Any] | None = None,
   moment_dtype: Any = None,
+  accumulate: int = 1,
+  accumulator_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps the state of a separable optax transformation in pinned host memory.
 
@@ -78,10 +80,13 @@ def offload(
       the rest of the state goes to `nvme_dir`; a budget that does not fit is refused with the
       plan's advice. The plan picks the stack's update inside the backward pass where the
       stack's gradients do not fit beside it; `tx.update` then refuses the whole gradients (train
-      with `value_and_update`). It plans one micro-batch a step, in one process:
-      ``value_and_update(..., accumulate=k)`` and ``optax.MultiSteps``, whose accumulators take
-      host memory too, and multi-process runs are refused; pass
-      ``host_limit=oo.estimate(params, ..., host_memory=..., accumulate=k).host_bytes``.
+      with `value_and_update`). It plans one process; multi-process runs are refused (pass
+      ``host_limit`` per process), and so is ``optax.MultiSteps``, whose accumulators it cannot
+      see (use ``value_and_update(..., accumulate=k)``).
+    accumulate, accumulator_dtype: with `host_memory`, the step's micro-batches and the dtype of
+      their gradient accumulators, as given to ``value_and_update`` (which refuses others): the
+      accumulators of a stack in pinned host memory take host memory too. Without `host_memory`
+      they are `value_and_update`'s alone.
     nvme_dir: directory for state beyond ``host_limit``: TensorStore arrays in
       ``nvme_dir/process_{i}``, one generation per step, committed atomically. The directory is
       locked by this process until `close_nvme` (or exit); `sync_nvme` waits for
@@ -161,8 +166,18 @@ def offload(
       "pinned host memory in all, of which offload plans the state's share at init), not both."
     )
 
+  if not (isinstance(accumulate, int) and accumulate >= 1):
+    raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
+  accumulator_dtype = units.parse_accumulator_dtype(accumulator_dtype)
+  if host_memory_bytes is None and (accumulate != 1 or accumulator_dtype != jnp.float32):
+    raise ValueError(
+      "offload: accumulate and accumulator_dtype plan host_memory's accumulators; without "
+      "host_memory pass them to oo.value_and_update only."
+    )
   moment_dtype = compress.parse_moment_dtype(moment_dtype)
-  planned = _HostMemoryPlan(inner, master_dtype, moment_dtype, host_memory_bytes)
+  planned = _HostMemoryPlan(
+    inner, master_dtype, moment_dtype, host_memory_bytes, accumulate, accumulator_dtype
+  )
   inner = tree_plan.offloaded_inner(inner, master_dtype, moment_dtype)
   if nvme_dir is not None and host_limit_bytes is None and host_memory_bytes is None:
     warnings.warn(
@@ -198,6 +213,25 @@ class _HostMemoryPlan:
   master_dtype: Any
   moment_dtype: Any
   host_memory: int | None
+  accumulate: int = 1
+  accumulator_dtype: Any = jnp.float32
+
+  def check_step(self, accumulate: int, accumulator_dtype) -> None:
+    """ValueError unless `value_and_update`'s micro-batches and accumulators are those planned."""
+    if (accumulate > 1) == (self.accumulate > 1) and (
+      accumulate == 1 or accumulator_dtype == self.accumulator_dtype
+    ):
+      return
+    planned = (
+      f"accumulate={self.accumulate}, accumulator_dtype={self.accumulator_dtype}"
+      if self.accumulate > 1
+      else "one micro-batch a step"
+    )
+    raise ValueError(
+      f"value_and_update: offload(host_memory=...) planned {planned}, not accumulate="
+      f"{accumulate}, accumulator_dtype={jnp.dtype(accumulator_dtype)}: the accumulators take "
+      "host memory. Give offload the same accumulate and accumulator_dtype as value_and_update."
+    )
 
   def plan(self, treedef, avals, shardings, params, options: dict[str, Any], update_on: str):
     """`estimate`'s plan of `host_memory` for params of these shapes (as the ``plan`` command's),
@@ -223,6 +257,8 @@ class _HostMemoryPlan:
       moment_dtype=self.moment_dtype,
       update_on=update_on,
       host_memory=max(self.host_memory - other, 0),
+      accumulate=self.accumulate,
+      accumulator_dtype=self.accumulator_dtype,
       nvme_dir=options["nvme_dir"],
       nvme_options=options["nvme_options"],
       min_size=options["min_size"],

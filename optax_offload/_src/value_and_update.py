@@ -191,15 +191,9 @@ def value_and_update(
   if not (isinstance(accumulate, int) and accumulate >= 1):
     raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
   structure = _structure(tx)
-  if accumulate > 1 and structure.offloaded.host_memory is not None:
-    raise ValueError(
-      "value_and_update: offload(host_memory=...) plans one micro-batch a step, and the "
-      f"accumulators of accumulate={accumulate} take host memory too. Plan them: "
-      "e = oo.estimate(params, optimizer=..., master_dtype=..., host_memory=..., "
-      f"accumulate={accumulate}, accumulator_dtype=..., nvme_dir=...), then "
-      "oo.offload(..., host_limit=e.host_bytes, nvme_dir=...) (examples/consumer_13b.py)."
-    )
   acc_dtype = units.parse_accumulator_dtype(accumulator_dtype)
+  if structure.offloaded.host_memory is not None:
+    structure.offloaded.host_memory.check_step(accumulate, acc_dtype)
 
   def step(params, state, *batch, **kwargs):
     return _Step(structure, loss_fn, has_aux, accumulate, acc_dtype).run(
