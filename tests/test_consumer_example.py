@@ -86,9 +86,9 @@ def test_the_script_compiles_its_step_for_a_gpu_without_allocating(tmp_path):
 
 def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
   # offload(host_memory=...): the pinned host memory of the run in all (the stack's weights in
-  # pinned host memory, the state, the NVMe buffers, other pinned arrays); init keeps in RAM the
-  # state that the plan (oo.estimate, as `plan --host-memory`) leaves, the rest on NVMe, and trains
-  # as host_limit does.
+  # pinned host memory, the state, the NVMe buffers, other pinned arrays and offloads); init keeps
+  # in RAM the state that the plan (oo.estimate, as `plan --host-memory`) leaves, the rest on
+  # NVMe, and trains as host_limit does.
   import dataclasses
   import gc
 
@@ -96,22 +96,24 @@ def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
   import jax.numpy as jnp
   import optax
 
+  from optax_offload._src import host_memory
   from optax_offload._src import memory
 
   ex = _example()
   cfg = ex.SIZES["tiny"]
   window = "512KiB"  # a group holds a row of w_gate (64 x 128: 131 KB of weights, grads, state)
-  weights = cfg.layers * (4 * cfg.d * cfg.d + 3 * cfg.d * cfg.ffn + 2 * cfg.d) * 2
-  params = ex.init_params(cfg)
-  gc.collect()
-  other = memory.pinned_host_bytes(exclude=params)  # what earlier tests left in this process
-  # 1.2 MB of state in RAM, 1.2 MB on NVMe, 0.8 MB of buffers
-  budget = other + weights + 5 * 2**19
 
-  def plan(host_memory):
+  def stack_bytes(cfg):  # bf16 weights of the layer stack
+    return cfg.layers * (4 * cfg.d * cfg.d + 3 * cfg.d * cfg.ffn + 2 * cfg.d) * 2
+
+  def taken(params):  # what earlier tests and steps left in pinned host memory, and live plans
+    gc.collect()
+    return memory.pinned_host_bytes(exclude=params) + sum(p.reserved for p in host_memory._PLANNED)
+
+  def plan(host_memory, cfg=cfg, **kwargs):
     return oo.estimate(
       ex.abstract_params(cfg), optimizer=optax.adamw(1e-2), master_dtype="fp32",
-      window_bytes=window, host_memory=host_memory, nvme_dir=str(tmp_path / "plan"),
+      window_bytes=window, host_memory=host_memory, nvme_dir=str(tmp_path / "plan"), **kwargs,
     )  # fmt: skip
 
   def offload(nvme_dir, **budget_kwargs):
@@ -123,11 +125,10 @@ def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
   def run(tx, params, cfg=cfg, accumulator_dtype=jnp.float32):
     state = tx.init(params)
     loss_fn = lambda p, t: ex.loss_fn(cfg, p, t)  # noqa: E731
-    step = jax.jit(
-      oo.value_and_update(
-        loss_fn, tx, accumulate=cfg.accumulate, accumulator_dtype=accumulator_dtype
-      )
+    step = oo.value_and_update(
+      loss_fn, tx, accumulate=cfg.accumulate, accumulator_dtype=accumulator_dtype
     )
+    step = jax.jit(step, donate_argnums=(0, 1))  # one copy of the params and state, as planned
     losses, data = [], ex.batches(cfg)
     for _ in range(2):
       loss, params, state = step(params, state, next(data))
@@ -137,57 +138,69 @@ def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
     oo.close_nvme(state)
     return losses, footprint
 
-  e = plan(budget - other)
+  weights = stack_bytes(cfg)
+  params = ex.init_params(cfg)
+  assert memory.pinned_host_bytes() - memory.pinned_host_bytes(exclude=params) == weights
+  e = plan(weights + 5 * 2**19)  # 1.2 MB of state in RAM, 1.2 MB on NVMe, 1.5 MB of buffers
   assert e.fits, e.shortfalls
-  assert 0 < e.host_bytes and e.nvme_bytes > 0 and e.host_total_bytes <= budget - other
-  assert not e.update_in_backward  # the stack's gradients fit beside it: update_and_apply too
-  tx = offload(tmp_path / "a", host_memory=budget)
+  assert 0 < e.host_bytes and e.nvme_bytes > 0 and not e.update_in_backward
+  tx = offload(tmp_path / "a", host_memory=taken(params) + weights + 5 * 2**19)
   losses, footprint = run(tx, params)
   assert footprint["host"] == e.host_bytes and footprint["nvme"] == e.nvme_bytes
   # The same placement from the budget as from the plan's host_limit: the same numbers.
   assert run(offload(tmp_path / "b", host_limit=e.host_bytes), ex.init_params(cfg))[0] == losses
 
-  # Arrays already in pinned host memory at init come out of the budget: less state in RAM.
+  # Arrays already in pinned host memory at init, and what the live offload `tx` reserves beyond
+  # its arrays (its NVMe buffers and the stack's whole gradients), come out of the budget.
   params = ex.init_params(cfg)
-  gc.collect()
-  left = memory.pinned_host_bytes(exclude=params)  # what the runs above left
+  reserved = oo._src.offload._OFFLOADED[tx.update].host_memory.reserved
+  assert reserved == e.nvme_buffer_bytes + weights
+  budget = taken(params) - reserved + weights + 5 * 2**19
   extra = oo.to_pinned_host(jnp.zeros(2**17, jnp.float32))  # 512 KiB
-  state = offload(tmp_path / "c", host_memory=left + weights + 5 * 2**19).init(params)
-  with_extra = plan(weights + 5 * 2**19 - extra.nbytes).host_bytes
-  assert oo.footprint(state)["host"] == with_extra < e.host_bytes
+  state = offload(tmp_path / "c", host_memory=budget + reserved).init(params)
+  assert plan(weights + 5 * 2**19 - extra.nbytes + reserved).host_bytes > e.host_bytes
+  assert oo.footprint(state)["host"] == plan(weights + 5 * 2**19 - extra.nbytes).host_bytes
+  assert oo.footprint(state)["host"] < e.host_bytes
   oo.close_nvme(state)
-  del extra
+  del extra, state
 
-  # Micro-batches accumulated in bf16 in pinned host memory: planned with them.
+  # Micro-batches accumulated in bf16 in pinned host memory: planned with them (their plan
+  # updates in the backward pass, the path that never holds the stack's gradients whole).
   acc_cfg = dataclasses.replace(cfg, accumulate=2)
   params = ex.init_params(acc_cfg)
-  gc.collect()
-  left = memory.pinned_host_bytes(exclude=params)
-  e_acc = oo.estimate(
-    ex.abstract_params(acc_cfg), optimizer=optax.adamw(1e-2), master_dtype="fp32",
-    window_bytes=window, host_memory=2 * weights + 5 * 2**19, accumulate=2,
-    accumulator_dtype="bf16", nvme_dir=str(tmp_path / "plan"),
-  )  # fmt: skip
+  e_acc = plan(2 * weights + 5 * 2**19, acc_cfg, accumulate=2, accumulator_dtype="bf16")
   assert e_acc.fits and e_acc.accumulator_bytes == weights and e_acc.host_bytes > 0
+  assert e_acc.update_in_backward
   acc_tx = offload(
-    tmp_path / "acc", host_memory=left + 2 * weights + 5 * 2**19, accumulate=2,
+    tmp_path / "acc", host_memory=taken(params) + 2 * weights + 5 * 2**19, accumulate=2,
     accumulator_dtype="bf16",
   )  # fmt: skip
   acc_losses, acc_footprint = run(acc_tx, params, acc_cfg, jnp.bfloat16)
   assert acc_footprint["host"] == e_acc.host_bytes and np.all(np.isfinite(acc_losses))
-  with pytest.raises(ValueError, match=r"planned accumulate=2, accumulator_dtype=bfloat16"):
+  with pytest.raises(ValueError, match=r"planned accumulators in bfloat16, not accumulate=2"):
     oo.value_and_update(lambda p, t: ex.loss_fn(acc_cfg, p, t), acc_tx, accumulate=2)
+  with pytest.raises(ValueError, match=r"holds the stack's gradients whole"):  # a clip does
+    oo.value_and_update(
+      lambda p, t: ex.loss_fn(acc_cfg, p, t),
+      optax.chain(optax.clip_by_global_norm(1.0), acc_tx),
+      accumulate=2,
+      accumulator_dtype="bf16",
+    )
+  params = ex.init_params(acc_cfg)  # the step's were donated
+  state = acc_tx.init(params)
+  with pytest.raises(ValueError, match=r"backward pass .* oo\.value_and_update"):
+    acc_tx.update(params, state, params)  # tx.update: the gradients whole
+  oo.close_nvme(state)
+  with pytest.raises(ValueError, match=r"MultiSteps' accumulators .* accumulate=k"):
+    oo.init(optax.MultiSteps(acc_tx, every_k_schedule=2), params)
 
-  # A deep stack of narrow layers in a budget its gradients do not fit beside: the plan puts the
-  # update in the backward pass (as for the 13B in 48 GiB), and the whole gradients are refused.
+  # A deep stack of narrow layers in a budget its gradients do not fit beside: without
+  # accumulation too, the plan updates the stack in the backward pass (as for the 13B in 48 GiB).
   deep = dataclasses.replace(cfg, d=32, ffn=64, layers=32, heads=2)
-  deep_weights = deep.layers * (4 * deep.d * deep.d + 3 * deep.d * deep.ffn + 2 * deep.d) * 2
   deep_params = ex.init_params(deep)
-  gc.collect()
-  deep_budget = memory.pinned_host_bytes(exclude=deep_params) + 19 * deep_weights // 10
   deep_tx = oo.offload(
     optax.adamw(1e-2), master_dtype=jnp.float32, window_bytes="80KiB",
-    nvme_dir=str(tmp_path / "deep"), host_memory=deep_budget,
+    nvme_dir=str(tmp_path / "deep"), host_memory=taken(deep_params) + 19 * stack_bytes(deep) // 10,
   )  # fmt: skip
   deep_state = deep_tx.init(deep_params)
   assert 0 < oo.footprint(deep_state)["host"] and oo.footprint(deep_state)["nvme"] > 0
@@ -196,18 +209,19 @@ def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
   oo.close_nvme(deep_state)
 
   # What the plan does not count is refused, with what to do.
-  with pytest.raises(ValueError, match=r"MultiSteps' accumulators .* accumulate=k"):
-    oo.init(optax.MultiSteps(tx, every_k_schedule=2), params)
+  params = ex.init_params(cfg)
   with pytest.raises(ValueError, match=r"planned one micro-batch a step, not accumulate=2"):
     oo.value_and_update(lambda p, t: ex.loss_fn(cfg, p, t), tx, accumulate=2)
-  with pytest.raises(ValueError, match=r"inside jax\.jit .* outside jit"):
-    jax.jit(offload(tmp_path / "d", host_memory=budget).init)(params)
+  with pytest.raises(ValueError, match=r"inside a trace .* outside jit"):
+    jax.jit(offload(tmp_path / "d", host_memory="1GiB").init)(params)
   with pytest.raises(ValueError, match="without host_memory pass them to oo.value_and_update"):
     oo.offload(optax.adamw(1e-2), accumulate=2)
   with pytest.raises(ValueError, match="host_limit .* or host_memory .* not both"):
     oo.offload(optax.adamw(1e-2), host_limit="1MiB", host_memory="1GiB")
+  with pytest.raises(ValueError, match='host_memory plans update_on="device"'):
+    oo.offload(optax.adamw(1e-2), host_memory="1GiB", update_on="host")
   # Less than the stack's weights: refused at init with the plan's advice.
-  small = offload(tmp_path / "e", host_memory=other + weights // 2)
+  small = offload(tmp_path / "e", host_memory=taken(params) + weights // 2)
   with pytest.raises(ValueError, match=r"host_memory .* does not fit .* host: .*raise"):
     small.init(params)
 
@@ -221,19 +235,19 @@ def test_host_memory_counts_a_resumed_stores_files_as_room(tmp_path, monkeypatch
   import optax
 
   from optax_offload._src import estimate
-  from optax_offload._src import offload
+  from optax_offload._src import host_memory
 
-  chunk = tmp_path / "process_0" / "gen_00000003" / "c0"
+  store = tmp_path / "process_0"
+  chunk = store / "gen_00000003" / "c0"
   chunk.parent.mkdir(parents=True)
-  chunk.write_bytes(b"\1" * 2**20)
+  chunk.write_bytes(os.urandom(2**20))
+  (tmp_path / "unrelated").write_bytes(os.urandom(2**20))  # not the store's: no room
   kept = os.lstat(chunk).st_blocks * 512
-  assert kept >= 2**20
+  assert kept > 0
   short = estimate.Shortfall("nvme", needed=10**6 + kept, available=10**6, advice="")
-  assert not offload._short_of_disk(short, {"nvme_dir": str(tmp_path)})
-  assert offload._short_of_disk(
-    dataclasses.replace(short, needed=short.needed + 1), {"nvme_dir": str(tmp_path)}
-  )
-  assert offload._short_of_disk(short, {"nvme_dir": str(tmp_path / "empty")})
+  assert not host_memory._short_of_disk(short, str(store))
+  assert host_memory._short_of_disk(dataclasses.replace(short, needed=short.needed + 1), str(store))
+  assert host_memory._short_of_disk(short, str(tmp_path / "process_1"))
 
   # One process's plan: a multi-process run is refused, with what to pass instead.
   monkeypatch.setattr(jax, "process_count", lambda: 2)

@@ -83,19 +83,27 @@ def _structure(tx: Any, name: str) -> _Structure:
         "offload, use tx.update and optax.apply_updates."
       )
     structure = _Structure(offloaded, clip, multi)
-  if multi is not None and structure.offloaded.host_memory is not None:
-    raise ValueError(
-      f"{name}: offload(host_memory=...) plans one gradient a step, and optax.MultiSteps' "
-      "accumulators take pinned host memory too (the size of the gradients there). Accumulate "
-      "with oo.value_and_update(..., accumulate=k) and offload(..., host_limit=oo.estimate("
-      "params, ..., host_memory=..., accumulate=k).host_bytes), or pass offload a host_limit "
-      "that leaves room for MultiSteps' accumulators."
-    )
   if multi is not None and not _compat.multi_steps_skips_nothing(multi):
     raise NotImplementedError(
       f"{name}: optax.MultiSteps with a should_skip_update_fn is not supported; leave it out."
     )
   return structure
+
+
+def _check_host_memory(s: _Structure, params: Any, name: str) -> None:
+  """`offload(host_memory=...)` does not count `optax.MultiSteps`' accumulators of params in
+  host memory (the gradients' size there): ValueError."""
+  on_host = any(
+    memory.in_host(p) or memory.kind_is_host(getattr(p, "sharding", None))
+    for p in jax.tree.leaves(params)
+  )
+  if s.multi is not None and s.offloaded.host_memory is not None and on_host:
+    raise ValueError(
+      f"{name}: offload(host_memory=...) does not count optax.MultiSteps' accumulators of the "
+      "params in pinned host memory. Accumulate with oo.value_and_update(..., accumulate=k) and "
+      "oo.offload(..., host_memory=..., accumulate=k), or pass offload a host_limit that leaves "
+      "room for MultiSteps' accumulators."
+    )
 
 
 def recognises(tx: Any) -> bool:
@@ -136,6 +144,7 @@ def init(tx: optax.GradientTransformation | optax.MultiSteps, params: optax.Para
     'pinned_host'
   """
   s = _structure(tx, "oo.init")
+  _check_host_memory(s, params, "oo.init")
   if s.multi is None:
     return tx.init(params)
   multi = s.multi
@@ -251,6 +260,7 @@ def update_and_apply(
     (0.989, 'pinned_host')
   """
   s = _structure(tx, "update_and_apply")
+  _check_host_memory(s, params, "update_and_apply")
   if s.multi is None:
     return _update(s, grads, state, params, extra_args)
   return _accumulate(s, grads, state, params, extra_args)

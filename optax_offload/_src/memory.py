@@ -88,9 +88,20 @@ def to_pinned_host(tree: Any) -> Any:
   return jax.tree.map(put, tree)
 
 
+def held_bytes(x: Any) -> int:
+  """Bytes an array (or `jax.ShapeDtypeStruct`) takes in this process: one buffer of its shard
+  on each of its addressable devices (its whole size without a sharding)."""
+  sharding = getattr(x, "sharding", None)
+  itemsize = x.dtype.itemsize
+  if sharding is None:
+    return itemsize * int(math.prod(x.shape))
+  shard = sharding.shard_shape(x.shape)
+  return len(sharding.addressable_devices) * itemsize * int(math.prod(shard))
+
+
 def pinned_host_bytes(exclude: Any = ()) -> int:
-  """Bytes of this process's live arrays in pinned host memory, less those of the arrays in
-  `exclude` (a tree): one buffer per device a shard lives on, as the pinned pool holds them.
+  """Bytes of this process's live arrays in pinned host memory (`held_bytes`), less those of the
+  arrays in `exclude` (a tree).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -99,11 +110,8 @@ def pinned_host_bytes(exclude: Any = ()) -> int:
     4096
   """
   skip = {id(a) for a in jax.tree.leaves(exclude)}
-  total = 0
-  for a in jax.live_arrays():
-    if id(a) in skip or a.is_deleted() or not is_pinned_host(a.sharding):
-      continue
-    shard = a.sharding.shard_shape(a.shape)
-    count = len(a.sharding.addressable_devices)
-    total += count * a.dtype.itemsize * int(math.prod(shard))
-  return total
+  return sum(
+    held_bytes(a)
+    for a in jax.live_arrays()
+    if id(a) not in skip and not a.is_deleted() and is_pinned_host(a.sharding)
+  )

@@ -10,7 +10,6 @@ reference) is about 70 of its 120 lines; the code is the transformation class an
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import warnings
@@ -24,6 +23,7 @@ import optax
 
 from optax_offload._src import _compat
 from optax_offload._src import compress
+from optax_offload._src import host_memory as host_memory_lib
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
 from optax_offload._src import memory
@@ -73,20 +73,24 @@ def offload(
       None for no limit.
     host_memory: instead of `host_limit`, the pinned host memory the run may use in all: the
       params already in pinned host memory (a layer stack streamed by `offloaded_scan`), their
-      gradients where the plan keeps them there, the offloaded state, the NVMe tier's buffers and
-      any other array already in pinned host memory at ``init``. At ``init`` (outside `jax.jit`)
-      the state's host budget is what `estimate` with the params' shapes and this
-      transformation's options leaves of it (as ``python -m optax_offload plan --host-memory``),
-      the rest of the state goes to `nvme_dir`; a budget that does not fit is refused with the
-      plan's advice. The plan picks the stack's update inside the backward pass where the
-      stack's gradients do not fit beside it; `tx.update` then refuses the whole gradients (train
-      with `value_and_update`). It plans one process; multi-process runs are refused (pass
-      ``host_limit`` per process), and so is ``optax.MultiSteps``, whose accumulators it cannot
-      see (use ``value_and_update(..., accumulate=k)``).
-    accumulate, accumulator_dtype: with `host_memory`, the step's micro-batches and the dtype of
-      their gradient accumulators, as given to ``value_and_update`` (which refuses others): the
-      accumulators of a stack in pinned host memory take host memory too. Without `host_memory`
-      they are `value_and_update`'s alone.
+      gradients where the plan keeps them whole, accumulators, the offloaded state, the NVMe
+      tier's buffers, what other arrays in pinned host memory and other such offloads hold. At
+      ``init`` (outside `jax.jit`, or after `abstract_state`) the state's host budget is what
+      `estimate` with the params' shapes and this transformation's options leaves of it (as
+      ``python -m optax_offload plan --host-memory``), the rest of the state goes to
+      `nvme_dir`; a budget that does not fit is refused with the plan's advice. Where the
+      stack's gradients do not fit whole, the plan updates the stack inside the backward pass
+      (`value_and_update`), and what holds them whole is refused: `tx.update`,
+      `update_and_apply`, a clip before `offload` in the chain. It plans one process, one copy
+      of the params and state (donate them to the jitted step) and ``update_on="device"``; it
+      refuses multi-process runs and ``optax.MultiSteps`` around a stack in pinned host memory
+      (use ``value_and_update(..., accumulate=k)``).
+    accumulate: with `host_memory`, ``value_and_update``'s micro-batches per step: their
+      accumulators (of a stack in pinned host memory) take host memory too, and
+      ``value_and_update`` refuses a step that accumulates where the plan did not (or the
+      reverse). Without `host_memory` it is `value_and_update`'s alone.
+    accumulator_dtype: with `host_memory` and ``accumulate > 1``, the accumulators' dtype, as
+      given to ``value_and_update`` (which refuses another).
     nvme_dir: directory for state beyond ``host_limit``: TensorStore arrays in
       ``nvme_dir/process_{i}``, one generation per step, committed atomically. The directory is
       locked by this process until `close_nvme` (or exit); `sync_nvme` waits for
@@ -175,8 +179,18 @@ def offload(
       "host_memory pass them to oo.value_and_update only."
     )
   moment_dtype = compress.parse_moment_dtype(moment_dtype)
-  planned = _HostMemoryPlan(
-    inner, master_dtype, moment_dtype, host_memory_bytes, accumulate, accumulator_dtype
+  if host_memory_bytes is not None and update_on != "device":
+    raise ValueError(
+      'offload: host_memory plans update_on="device"; with update_on="host" the gradients, '
+      "params and updates pass through host memory too: pass host_limit, leaving room for them."
+    )
+  plan_options = dict(
+    optimizer=inner,
+    master_dtype=master_dtype,
+    moment_dtype=moment_dtype,
+    update_on=update_on,
+    nvme_options=nvme_options,
+    min_size=min_size,
   )
   inner = tree_plan.offloaded_inner(inner, master_dtype, moment_dtype)
   if nvme_dir is not None and host_limit_bytes is None and host_memory_bytes is None:
@@ -198,106 +212,14 @@ def offload(
       nvme_options=nvme_options,
       check_separable=check_separable,
     ),
-    None if host_memory_bytes is None else planned,
+    None
+    if host_memory_bytes is None
+    else host_memory_lib.HostMemory(host_memory_bytes, accumulate, accumulator_dtype),
+    plan_options,
   )
   tx = optax.GradientTransformationExtraArgs(offloaded.init, offloaded.update)
   _OFFLOADED[tx.update] = offloaded
   return tx
-
-
-@dataclasses.dataclass(frozen=True)
-class _HostMemoryPlan:
-  """`offload(host_memory=...)`: the transformation as given and the run's pinned host memory."""
-
-  optimizer: Any
-  master_dtype: Any
-  moment_dtype: Any
-  host_memory: int | None
-  accumulate: int = 1
-  accumulator_dtype: Any = jnp.float32
-
-  def check_step(self, accumulate: int, accumulator_dtype) -> None:
-    """ValueError unless `value_and_update`'s micro-batches and accumulators are those planned."""
-    if (accumulate > 1) == (self.accumulate > 1) and (
-      accumulate == 1 or accumulator_dtype == self.accumulator_dtype
-    ):
-      return
-    planned = (
-      f"accumulate={self.accumulate}, accumulator_dtype={self.accumulator_dtype}"
-      if self.accumulate > 1
-      else "one micro-batch a step"
-    )
-    raise ValueError(
-      f"value_and_update: offload(host_memory=...) planned {planned}, not accumulate="
-      f"{accumulate}, accumulator_dtype={jnp.dtype(accumulator_dtype)}: the accumulators take "
-      "host memory. Give offload the same accumulate and accumulator_dtype as value_and_update."
-    )
-
-  def plan(self, treedef, avals, shardings, params, options: dict[str, Any], update_on: str):
-    """`estimate`'s plan of `host_memory` for params of these shapes (as the ``plan`` command's),
-    less what other live arrays already hold in pinned host memory (another offload's state, a
-    copy of the params): its ``host_bytes`` is the offloaded state's host budget. ValueError with
-    its advice where it does not fit (the device is not checked: offload does not know the
-    activations)."""
-    from optax_offload._src import estimate as estimate_lib  # estimate imports this module
-
-    if jax.process_count() > 1:
-      raise NotImplementedError(
-        "offload(host_memory=...) plans one process's params whole; in a multi-process run give "
-        "each process host_limit instead: the state's host budget per process."
-      )
-    other = memory.pinned_host_bytes(exclude=params)
-    params = treedef.unflatten(
-      [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)]
-    )
-    e = estimate_lib.estimate(
-      params,
-      optimizer=self.optimizer,
-      master_dtype=self.master_dtype,
-      moment_dtype=self.moment_dtype,
-      update_on=update_on,
-      host_memory=max(self.host_memory - other, 0),
-      accumulate=self.accumulate,
-      accumulator_dtype=self.accumulator_dtype,
-      nvme_dir=options["nvme_dir"],
-      nvme_options=options["nvme_options"],
-      min_size=options["min_size"],
-      window_bytes=tree_plan.window_bytes(options["window_bytes"], setup_lib.device_memory()),
-    )
-    taken = (
-      f" ({units.format_bytes(other)} of it already held by other arrays in pinned host memory)"
-      if other
-      else ""
-    )
-    shortfalls = [f for f in e.shortfalls if f.tier == "host" or _short_of_disk(f, options)]
-    if shortfalls:
-      raise ValueError(
-        f"offload: host_memory {units.format_bytes(self.host_memory)}{taken} does not fit this "
-        "model's plan: " + " ".join(f"{f.tier}: {f.advice}" for f in shortfalls)
-      )
-    logger.info(
-      "offload: host_memory %s%s: %s of offloaded state in host memory, the rest (%s) on NVMe",
-      units.format_bytes(self.host_memory),
-      taken,
-      units.format_bytes(e.host_bytes),
-      units.format_bytes(e.nvme_bytes),
-    )
-    return e
-
-
-def _short_of_disk(shortfall, options: dict[str, Any]) -> bool:
-  """Whether an NVMe shortfall stands once the generations a resumed store keeps on the disk are
-  counted as room (the store writes over them)."""
-  if shortfall.tier != "nvme" or options["nvme_dir"] is None:
-    return False
-  kept = 0
-  for root, _, files in os.walk(options["nvme_dir"]):
-    for name in files:
-      try:
-        kept += os.lstat(os.path.join(root, name)).st_blocks * 512
-      except OSError:
-        pass
-  return shortfall.needed > shortfall.available + kept
 
 
 class _Offloaded:
@@ -309,7 +231,13 @@ class _Offloaded:
   """
 
   def __init__(
-    self, inner, master_dtype, update_on: str, options: dict[str, Any], host_memory=None
+    self,
+    inner,
+    master_dtype,
+    update_on: str,
+    options: dict[str, Any],
+    host_memory: host_memory_lib.HostMemory | None = None,
+    plan_options: dict[str, Any] | None = None,
   ):
     self.inner, self.master_dtype, self.update_on, self.options = (
       inner,
@@ -317,8 +245,7 @@ class _Offloaded:
       update_on,
       options,
     )
-    self.host_memory: _HostMemoryPlan | None = host_memory
-    self.planned = None  # host_memory's plan (an `Estimate`), made at init
+    self.host_memory, self.plan_options = host_memory, plan_options
     self.setups: dict[tuple[tuple[int, ...], ...], setup_lib.Setup] = {}
     self.layouts: dict[Any, layout_lib.StateLayout] = {}
 
@@ -327,7 +254,9 @@ class _Offloaded:
       self.layouts[treedef] = layout_lib.StateLayout(self.inner, treedef)
     return self.layouts[treedef]
 
-  def setup_for_init(self, treedef, paths, avals, shardings, params=()) -> setup_lib.Setup:
+  def setup_for_init(
+    self, treedef, paths, avals, shardings, params=(), traced=False
+  ) -> setup_lib.Setup:
     key = tuple(tuple(a.shape) for a in avals)
     old = self.setups.get(key)
     dtypes = tuple(jnp.dtype(a.dtype) for a in avals)
@@ -335,10 +264,25 @@ class _Offloaded:
       return old
     options = self.options
     if self.host_memory is not None:
-      self.planned = self.host_memory.plan(
-        treedef, avals, shardings, params, options, self.update_on
+      if traced:
+        raise ValueError(
+          "offload(host_memory=...) plans from where the params are (the layer stack in pinned "
+          "host memory); inside a trace their placement is unknown: call tx.init(params) outside "
+          "jit (or oo.abstract_state first, which plans from the shardings it is given), or pass "
+          "host_limit=oo.estimate(params_with_shardings, ..., host_memory=...).host_bytes."
+        )
+      abstract = treedef.unflatten(
+        [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)]
       )
-      options = dict(options, host_limit=self.planned.host_bytes)
+      window = tree_plan.window_bytes(options["window_bytes"], setup_lib.device_memory())
+      e = self.host_memory.plan(
+        params,
+        abstract,
+        dict(self.plan_options, window_bytes=window),
+        options["nvme_dir"],
+        _process_dir(options["nvme_dir"]),
+      )
+      options = dict(options, host_limit=e.host_bytes)
     self.setups[key] = setup_lib.make_setup(self.inner, treedef, paths, avals, shardings, **options)
     self.layouts.setdefault(treedef, self.setups[key].layout)
     return self.setups[key]
@@ -370,13 +314,8 @@ class _Offloaded:
     shardings = [getattr(v, "sharding", None) for v in values]
     if self.master_dtype is not None:
       master_lib.check_master_dtype(values, paths, self.master_dtype)
-    if self.host_memory is not None and any(isinstance(v, jax.core.Tracer) for v in values):
-      raise ValueError(
-        "offload(host_memory=...) plans from where the params are (the layer stack in pinned host "
-        "memory); inside jax.jit their placement is unknown: call tx.init(params) outside jit, or "
-        "pass host_limit=oo.estimate(params_with_shardings, ..., host_memory=...).host_bytes."
-      )
-    setup = self.setup_for_init(treedef, paths, avals, shardings, params)
+    traced = any(isinstance(v, jax.core.Tracer) for v in values)
+    setup = self.setup_for_init(treedef, paths, avals, shardings, params, traced)
     layout = self.layout_for(treedef)
 
     def leaves_of(concrete):
@@ -450,15 +389,8 @@ class _Offloaded:
       raise TypeError(
         f"offload's update expects the OffloadState returned by its init, got {type(state).__name__}."
       )
-    planned = self.planned
-    if planned is not None and planned.weights_on == "host" and planned.update_in_backward:
-      raise ValueError(
-        "offload(host_memory=...) planned the layer stack's update inside the backward pass "
-        "(oo.value_and_update), whose gradients are never whole, and gave their host memory to "
-        "the state; tx.update and oo.update_and_apply take the stack's gradients whole. Train "
-        "with oo.value_and_update, or plan this step: e = oo.estimate(params, ..., "
-        "host_memory=..., update_in_backward=False), then offload(..., host_limit=e.host_bytes)."
-      )
+    if self.host_memory is not None:
+      self.host_memory.check_whole_gradients("tx.update (and oo.update_and_apply)")
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     paths = [layout_lib.leaf_path(p) for p, _ in flat]
     grads = [g for _, g in flat]
@@ -503,6 +435,11 @@ class _Offloaded:
       inner=layout.merge(new_shared, new_per_leaf), nvme_generation=new_generation
     )
     return treedef.unflatten(new_updates), new_state
+
+
+def _process_dir(nvme_dir) -> str | None:
+  """This process's NVMe store directory under `nvme_dir` (None without one)."""
+  return None if nvme_dir is None else os.path.join(nvme_dir, f"process_{jax.process_index()}")
 
 
 _OFFLOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -192,10 +192,21 @@ def value_and_update(
     raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
   structure = _structure(tx)
   acc_dtype = units.parse_accumulator_dtype(accumulator_dtype)
-  if structure.offloaded.host_memory is not None:
-    structure.offloaded.host_memory.check_step(accumulate, acc_dtype)
+  planned = structure.offloaded.host_memory
+
+  def check_plan():
+    if planned is not None:  # offload(host_memory=...): what the plan counted
+      planned.check_step(accumulate, acc_dtype)
+      if structure.clip is not None:
+        planned.check_whole_gradients(
+          "clip_by_global_norm before offload in the chain (the stack is then updated after "
+          "the backward pass)"
+        )
+
+  check_plan()  # where tx.init ran already; else when the step is traced
 
   def step(params, state, *batch, **kwargs):
+    check_plan()
     return _Step(structure, loss_fn, has_aux, accumulate, acc_dtype).run(
       params, state, batch, kwargs
     )

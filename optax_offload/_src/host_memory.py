@@ -1,0 +1,169 @@
+"""`offload(host_memory=...)`: the run's pinned host memory in all, planned at init.
+
+`HostMemory.plan` asks `estimate` what the params (their shapes and shardings) need beside the
+state (the stack's weights, its whole gradients or accumulators, the NVMe tier's buffers) and
+gives the state the rest, less what other live arrays and other planned offloads already take.
+The `check_*` functions refuse, where the step is traced, what the plan did not count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_offload._src import memory
+from optax_offload._src import units
+
+logger = logging.getLogger(__name__)
+
+_PLANNED: weakref.WeakSet = weakref.WeakSet()
+"""The live `HostMemory` plans of this process (their reservations that are not arrays yet)."""
+
+
+@dataclasses.dataclass(eq=False)
+class HostMemory:
+  """The budget and the step one `offload(host_memory=...)` plans for; `planned` once init ran.
+
+  Attributes:
+    budget: the run's pinned host memory in all, in bytes.
+    accumulate: ``value_and_update``'s micro-batches per step.
+    accumulator_dtype: their accumulators' dtype.
+    planned: `estimate`'s plan made at init (None before).
+    reserved: bytes the plan holds beyond the arrays that exist at init (the stack's whole
+      gradients, accumulators, NVMe buffers): other offloads planned later leave them out.
+  """
+
+  budget: int
+  accumulate: int = 1
+  accumulator_dtype: Any = jnp.float32
+  planned: Any = None
+  reserved: int = 0
+
+  def plan(self, params, abstract: Any, plan_options: dict[str, Any], nvme_dir, proc_dir):
+    """`estimate`'s plan for `abstract` (the params' shapes and shardings; `params` the arrays
+    given to init, or the same abstract values) within `budget`, less what other arrays in
+    pinned host memory and other planned offloads hold. ValueError with the plan's advice where
+    the host or the disk is short (the device is not checked: offload does not know the
+    activations); NotImplementedError for what it cannot plan."""
+    from optax_offload._src import estimate  # estimate imports offload, which imports this
+
+    if jax.process_count() > 1:
+      raise NotImplementedError(
+        "offload(host_memory=...) plans one process's params whole; in a multi-process run give "
+        "each process host_limit instead: the state's host budget per process."
+      )
+    leaves = jax.tree.leaves(abstract)
+    on_host = [x for x in leaves if memory.is_pinned_host(getattr(x, "sharding", None))]
+    held = sum(memory.held_bytes(x) for x in on_host)
+    if held > sum(x.size * jnp.dtype(x.dtype).itemsize for x in on_host):
+      raise NotImplementedError(
+        "offload(host_memory=...): a leaf of the params in pinned host memory is replicated on "
+        "several devices, and the plan counts it once; shard the layer stack (or keep one "
+        "device), or pass host_limit=oo.estimate(...).host_bytes and leave room for the copies."
+      )
+    concrete = any(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
+    # Live arrays beside the params: another offload's state, a copy of the params. For abstract
+    # params (`abstract_state`) the arrays they describe may be alive too: count them out.
+    other = memory.pinned_host_bytes(exclude=params) - (0 if concrete else held)
+    other = max(other, 0) + sum(p.reserved for p in _PLANNED if p is not self)
+    accumulate = self.accumulate if on_host else 1  # accumulators of a device stack: device
+    e = estimate.estimate(
+      abstract,
+      host_memory=max(self.budget - other, 0),
+      accumulate=accumulate,
+      accumulator_dtype=self.accumulator_dtype,
+      nvme_dir=nvme_dir,
+      **plan_options,
+    )
+    if (
+      any(f.tier == "host" for f in e.shortfalls)
+      and e.weights_on == "host"
+      and not e.update_in_backward
+    ):  # the stack's whole gradients do not fit beside its weights and buffers: never whole
+      e = estimate.estimate(
+        abstract,
+        host_memory=max(self.budget - other, 0),
+        update_in_backward=True,
+        nvme_dir=nvme_dir,
+        **plan_options,
+      )
+    taken = (
+      f" ({units.format_bytes(other)} of it already held by other arrays in pinned host memory "
+      "or reserved by other offloads)"
+      if other
+      else ""
+    )
+    short = [f for f in e.shortfalls if f.tier == "host" or _short_of_disk(f, proc_dir)]
+    if short:
+      raise ValueError(
+        f"offload: host_memory {units.format_bytes(self.budget)}{taken} does not fit this model's "
+        "plan (in the plan command's flags: --host-memory is host_memory, --update-in-backward "
+        "yes is oo.value_and_update): " + " ".join(f"{f.tier}: {f.advice}" for f in short)
+      )
+    self.planned, self.reserved = e, max(e.host_total_bytes - e.host_bytes - held, 0)
+    _PLANNED.add(self)
+    logger.info(
+      "offload: host_memory %s%s: %s of offloaded state in host memory, the rest (%s) on NVMe",
+      units.format_bytes(self.budget),
+      taken,
+      units.format_bytes(e.host_bytes),
+      units.format_bytes(e.nvme_bytes),
+    )
+    return e
+
+  def stack_planned(self) -> bool:
+    """Whether init planned a layer stack in pinned host memory (what the checks are about)."""
+    return self.planned is not None and self.planned.weights_on == "host"
+
+  def check_whole_gradients(self, what: str) -> None:
+    """ValueError where the plan updates the stack in the backward pass (its gradients never
+    whole) and `what` holds them whole."""
+    if self.stack_planned() and self.planned.update_in_backward:
+      raise ValueError(
+        f"offload(host_memory=...) planned the layer stack's update inside the backward pass "
+        f"(oo.value_and_update), whose gradients are never whole, and gave their host memory to "
+        f"the state; {what} holds the stack's gradients whole. Train with oo.value_and_update "
+        "without it, or plan this step: e = oo.estimate(params, ..., host_memory=..., "
+        "update_in_backward=False), then offload(..., host_limit=e.host_bytes)."
+      )
+
+  def check_step(self, accumulate: int, accumulator_dtype) -> None:
+    """ValueError unless `value_and_update`'s accumulators are those planned (their bytes do
+    not depend on how many micro-batches: only whether there are any, and their dtype)."""
+    if not self.stack_planned():
+      return
+    if (accumulate > 1) == (self.accumulate > 1) and (
+      accumulate == 1 or jnp.dtype(accumulator_dtype) == jnp.dtype(self.accumulator_dtype)
+    ):
+      return
+    planned = (
+      f"accumulators in {jnp.dtype(self.accumulator_dtype)}"
+      if self.accumulate > 1
+      else "one micro-batch a step"
+    )
+    raise ValueError(
+      f"value_and_update: offload(host_memory=...) planned {planned}, not accumulate="
+      f"{accumulate}, accumulator_dtype={jnp.dtype(accumulator_dtype)}: the accumulators take "
+      "host memory. Give offload the accumulate and accumulator_dtype of value_and_update."
+    )
+
+
+def _short_of_disk(shortfall, proc_dir) -> bool:
+  """Whether an NVMe shortfall stands once the files a resumed store keeps (`proc_dir`, the
+  store's directory) are counted as room: the store writes its next generations over them."""
+  if shortfall.tier != "nvme":
+    return False
+  kept = 0
+  for root, _, files in os.walk(proc_dir) if proc_dir is not None else ():
+    for name in files:
+      try:
+        kept += os.lstat(os.path.join(root, name)).st_blocks * 512
+      except OSError:
+        pass
+  return shortfall.needed > shortfall.available + kept
