@@ -91,6 +91,7 @@ def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
   # NVMe, and trains as host_limit does.
   import dataclasses
   import gc
+  import re
 
   import jax
   import jax.numpy as jnp
@@ -162,7 +163,25 @@ def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
   assert oo.footprint(state)["host"] == plan(weights + 5 * 2**19 - extra.nbytes).host_bytes
   assert oo.footprint(state)["host"] < e.host_bytes
   oo.close_nvme(state)
-  del extra, state
+  del params, state, extra
+
+  # Planned from shapes (abstract_state, as before a restore): live params of those shapes count
+  # out once; with none alive, nothing does. (Five layers: shapes no earlier test left alive.)
+  cfg5 = dataclasses.replace(cfg, layers=5)
+  weights5, params = stack_bytes(cfg5), ex.init_params(cfg5)
+  budget = taken(params) + weights5 + 9 * 2**18
+  e5 = plan(weights5 + 9 * 2**18, cfg5)
+
+  def abstract_plan(name):
+    abstract_tx = offload(tmp_path / name, host_memory=budget)
+    oo.abstract_state(abstract_tx, ex.abstract_params(cfg5))
+    return oo._src.offload._OFFLOADED[abstract_tx.update].host_memory.planned.host_bytes
+
+  assert plan(2 * weights5 + 9 * 2**18, cfg5).host_bytes > e5.host_bytes > 0
+  assert plan(9 * 2**18, cfg5).host_bytes < e5.host_bytes  # (the differences show)
+  assert abstract_plan("c5") == e5.host_bytes  # the live params counted once, not twice
+  del params
+  assert abstract_plan("c6") == e5.host_bytes  # none alive: no room made for them
 
   # Micro-batches accumulated in bf16 in pinned host memory: planned with them (their plan
   # updates in the backward pass, the path that never holds the stack's gradients whole).
@@ -204,9 +223,21 @@ def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
   )  # fmt: skip
   deep_state = deep_tx.init(deep_params)
   assert 0 < oo.footprint(deep_state)["host"] and oo.footprint(deep_state)["nvme"] > 0
-  with pytest.raises(ValueError, match=r"backward pass .* oo\.value_and_update"):
+  with pytest.raises(ValueError, match=r"backward pass .* at least .* \((\d+) bytes") as err:
     deep_tx.update(deep_params, deep_state, deep_params)  # the stack's gradients whole
   oo.close_nvme(deep_state)
+  # The host memory the refusal names plans the whole gradients: tx.update may hold them.
+  need = int(re.search(r"\((\d+) bytes", str(err.value)).group(1))
+  del deep_tx, deep_state, err  # (the traceback holds the offload and its state)
+  gc.collect()
+  whole_tx = oo.offload(
+    optax.adamw(1e-2), master_dtype=jnp.float32, window_bytes="80KiB",
+    nvme_dir=str(tmp_path / "whole"), host_memory=need,
+  )  # fmt: skip
+  oo.close_nvme(whole_tx.init(deep_params))
+  whole = oo._src.offload._OFFLOADED[whole_tx.update].host_memory
+  assert whole.planned.fits and not whole.planned.update_in_backward
+  assert whole.planned.host_bytes == 0  # the least such a step needs: all the state on NVMe
 
   # What the plan does not count is refused, with what to do.
   params = ex.init_params(cfg)

@@ -44,6 +44,7 @@ class HostMemory:
   accumulator_dtype: Any = jnp.float32
   planned: Any = None
   reserved: int = 0
+  whole_gradients_need: int | None = None
 
   def plan(self, params, abstract: Any, plan_options: dict[str, Any], nvme_dir, proc_dir):
     """`estimate`'s plan for `abstract` (the params' shapes and shardings; `params` the arrays
@@ -67,11 +68,12 @@ class HostMemory:
         "several devices, and the plan counts it once; shard the layer stack (or keep one "
         "device), or pass host_limit=oo.estimate(...).host_bytes and leave room for the copies."
       )
+    # Live arrays beside the params: another offload's state, a copy of the params. Abstract
+    # params (`abstract_state`) may describe live arrays: those of their shapes count out once.
     concrete = any(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
-    # Live arrays beside the params: another offload's state, a copy of the params. For abstract
-    # params (`abstract_state`) the arrays they describe may be alive too: count them out.
-    other = memory.pinned_host_bytes(exclude=params) - (0 if concrete else held)
-    other = max(other, 0) + sum(p.reserved for p in _PLANNED if p is not self)
+    described = [] if concrete else _live_described(on_host)
+    other = memory.pinned_host_bytes(exclude=[params, described])
+    other += sum(p.reserved for p in _PLANNED if p is not self)
     accumulate = self.accumulate if on_host else 1  # accumulators of a device stack: device
     e = estimate.estimate(
       abstract,
@@ -93,6 +95,11 @@ class HostMemory:
         nvme_dir=nvme_dir,
         **plan_options,
       )
+      e = dataclasses.replace(
+        e,
+        update_in_backward_reason="chosen: the stack's whole gradients do not fit in "
+        "host_memory beside its weights and the NVMe buffers",
+      )
     taken = (
       f" ({units.format_bytes(other)} of it already held by other arrays in pinned host memory "
       "or reserved by other offloads)"
@@ -101,11 +108,24 @@ class HostMemory:
     )
     short = [f for f in e.shortfalls if f.tier == "host" or _short_of_disk(f, proc_dir)]
     if short:
+      beside = (
+        f"; its figures are for what is left: add {units.format_bytes(other)} to them"
+        if other
+        else ""
+      )
       raise ValueError(
         f"offload: host_memory {units.format_bytes(self.budget)}{taken} does not fit this model's "
-        "plan (in the plan command's flags: --host-memory is host_memory, --update-in-backward "
-        "yes is oo.value_and_update): " + " ".join(f"{f.tier}: {f.advice}" for f in short)
+        f"plan (in the plan command's flags: --host-memory is host_memory{beside}): "
+        + " ".join(f"{f.tier}: {f.advice}" for f in short)
       )
+    self.whole_gradients_need = None
+    if e.weights_on == "host" and e.update_in_backward and self.accumulate == 1:
+      # What a step holding the stack's gradients whole would need: the least host memory of
+      # that plan (all the state on NVMe), for the refusals' advice.
+      whole = estimate.estimate(
+        abstract, host_limit=0, update_in_backward=False, nvme_dir=nvme_dir, **plan_options
+      )
+      self.whole_gradients_need = other + whole.host_total_bytes
     self.planned, self.reserved = e, max(e.host_total_bytes - e.host_bytes - held, 0)
     _PLANNED.add(self)
     logger.info(
@@ -123,15 +143,23 @@ class HostMemory:
 
   def check_whole_gradients(self, what: str) -> None:
     """ValueError where the plan updates the stack in the backward pass (its gradients never
-    whole) and `what` holds them whole."""
-    if self.stack_planned() and self.planned.update_in_backward:
-      raise ValueError(
-        f"offload(host_memory=...) planned the layer stack's update inside the backward pass "
-        f"(oo.value_and_update), whose gradients are never whole, and gave their host memory to "
-        f"the state; {what} holds the stack's gradients whole. Train with oo.value_and_update "
-        "without it, or plan this step: e = oo.estimate(params, ..., host_memory=..., "
-        "update_in_backward=False), then offload(..., host_limit=e.host_bytes)."
+    whole) and `what` holds them whole, with what to give offload instead."""
+    if not (self.stack_planned() and self.planned.update_in_backward):
+      return
+    if self.whole_gradients_need is None:  # accumulation: the backward pass accumulates them
+      fix = "Train with oo.value_and_update without it."
+    else:
+      fix = (
+        "Train with oo.value_and_update without it, or give offload a host_memory of at least "
+        f"{units.format_bytes(self.whole_gradients_need)} ({self.whole_gradients_need} bytes: "
+        "the stack's weights and whole gradients and the NVMe buffers beside what other arrays "
+        "hold, the state on NVMe)."
       )
+    raise ValueError(
+      "offload(host_memory=...) planned the layer stack's update inside the backward pass "
+      "(oo.value_and_update), whose gradients are never whole, and gave their host memory to "
+      f"the state; {what} holds the stack's gradients whole. {fix}"
+    )
 
   def check_step(self, accumulate: int, accumulator_dtype) -> None:
     """ValueError unless `value_and_update`'s accumulators are those planned (their bytes do
@@ -152,6 +180,21 @@ class HostMemory:
       f"{accumulate}, accumulator_dtype={jnp.dtype(accumulator_dtype)}: the accumulators take "
       "host memory. Give offload the accumulate and accumulator_dtype of value_and_update."
     )
+
+
+def _live_described(abstract: list) -> list:
+  """Live arrays in pinned host memory of the shapes and dtypes of `abstract` (one per leaf)."""
+  wanted: dict[tuple, int] = {}
+  for x in abstract:
+    key = (tuple(x.shape), jnp.dtype(x.dtype))
+    wanted[key] = wanted.get(key, 0) + 1
+  found = []
+  for a in jax.live_arrays():
+    key = (tuple(a.shape), jnp.dtype(a.dtype))
+    if wanted.get(key) and not a.is_deleted() and memory.is_pinned_host(a.sharding):
+      wanted[key] -= 1
+      found.append(a)
+  return found
 
 
 def _short_of_disk(shortfall, proc_dir) -> bool:
