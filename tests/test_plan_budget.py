@@ -141,6 +141,25 @@ def test_weights_and_grads_stay_in_host_memory_when_they_fit(two_tb):
   assert e.host_total_bytes == 128 * GiB and e.fits
 
 
+def test_whole_gradients_that_fit_only_without_the_buffers_go_into_the_backward_pass(two_tb):
+  # 50 GiB: the stack's weights and gradients (52e9 B) fit, but not with the NVMe buffers beside
+  # them; the update in the backward pass (auto) needs no whole gradients, and the plan fits.
+  kwargs = dict(
+    param_dtype="bf16", master_dtype="fp32", weights_on="host", layers=40,
+    device_memory="24GiB", memory_fraction=0.75, host_memory="50GiB", nvme_dir="/tmp",
+  )  # fmt: skip
+  assert 52_000_000_000 < 50 * GiB < 52_000_000_000 + HAND_BUFFERS
+  whole = oo.estimate("13B", update_in_backward=False, **kwargs)
+  (short,) = whole.shortfalls
+  assert short.tier == "host" and short.needed == 52_000_000_000 + HAND_BUFFERS
+  e = oo.estimate("13B", **kwargs)
+  assert e.update_in_backward and "beside its weights and the NVMe buffers" in (
+    e.update_in_backward_reason
+  )
+  assert e.fits and e.host_weight_bytes == 26_000_000_000
+  assert e.host_total_bytes <= 50 * GiB and e.host_bytes > 0
+
+
 def test_weights_that_do_not_fit_the_host_budget_never_fit(two_tb, capsys):
   argv = [*GOAL[:13], "20GiB", "--nvme-size", "2TB"]
   assert cli.main(argv) == 1

@@ -130,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     choices=("auto", "yes", "no"),
     help="update the layer stack inside the backward pass (oo.value_and_update): its gradients "
     "never exist whole. auto (default): when the stack's weights and gradients do not fit in "
-    "--host-memory, or with --accumulate above 1",
+    "--host-memory (with the NVMe buffers beside them), or with --accumulate above 1",
   )
   opt(
     "--accumulate",

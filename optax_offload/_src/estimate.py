@@ -485,7 +485,8 @@ def estimate(
       not implemented). None: not checked.
     update_in_backward: with ``weights_on="host"``, whether the stack's update runs inside the
       backward pass (`value_and_update`: no whole gradients, the window beside the streamed
-      layers); None decides: yes when the stack's weights and gradients exceed `host_memory` or
+      layers); None decides: yes when the stack's weights and gradients exceed `host_memory`,
+      or with the NVMe buffers beside them (and the plan fits without whole gradients), or
       when ``accumulate > 1``.
     accumulate: micro-batches per optimizer step with the update in the backward pass: gradient
       accumulators for the stack in host memory.
@@ -653,28 +654,48 @@ def estimate(
       "--update-in-backward no), or plan one micro-batch per step."
     )
   acc_dtype = parse_accumulator_dtype(accumulator_dtype)
-  accumulators = host_budget.accumulator_bytes(stack, fused, accumulate, acc_dtype.itemsize)
 
-  def build(state_limit):
-    e = base(dict(common, host_limit=state_limit))
-    if stack:
-      e = host_budget.with_weights_on_host(
-        e,
-        stack,
-        fused,
-        accumulate,
-        accumulators,
-        acc_dtype.itemsize,
-        on_device,
-        kept_on_device,
-        nvme_options,
+  def fitted(fused: bool) -> tuple[Estimate, int]:
+    accumulators = host_budget.accumulator_bytes(stack, fused, accumulate, acc_dtype.itemsize)
+
+    def build(state_limit):
+      e = base(dict(common, host_limit=state_limit))
+      if stack:
+        e = host_budget.with_weights_on_host(
+          e,
+          stack,
+          fused,
+          accumulate,
+          accumulators,
+          acc_dtype.itemsize,
+          on_device,
+          kept_on_device,
+          nvme_options,
+        )
+      return e
+
+    if host_memory is None:
+      return build(host_limit), accumulators
+    fit = host_budget.fit_host_memory(build, host_memory, host_limit, stack, fused, accumulators)
+    return fit, accumulators
+
+  e, accumulators = fitted(fused)
+  if (
+    update_in_backward is None
+    and stack
+    and not fused
+    and update_on == "device"
+    and host_memory is not None
+    and e.host_total_bytes > host_memory
+  ):  # the whole gradients fit beside the weights, not beside the NVMe buffers too
+    in_backward, in_backward_accumulators = fitted(True)
+    if in_backward.host_total_bytes <= host_memory:
+      e, accumulators, fused = in_backward, in_backward_accumulators, True
+      why = (
+        "chosen: the stack's whole gradients do not fit in --host-memory "
+        f"{format_bytes(host_memory)} beside its weights and the NVMe buffers "
+        "(--update-in-backward no to refuse)"
       )
-    return e
-
-  if host_memory is None:
-    e = build(host_limit)
-  else:
-    e = host_budget.fit_host_memory(build, host_memory, host_limit, stack, fused, accumulators)
   return dataclasses.replace(
     e,
     host_limit=host_limit,

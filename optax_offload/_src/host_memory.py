@@ -83,23 +83,6 @@ class HostMemory:
       nvme_dir=nvme_dir,
       **plan_options,
     )
-    if (
-      any(f.tier == "host" for f in e.shortfalls)
-      and e.weights_on == "host"
-      and not e.update_in_backward
-    ):  # the stack's whole gradients do not fit beside its weights and buffers: never whole
-      e = estimate.estimate(
-        abstract,
-        host_memory=max(self.budget - other, 0),
-        update_in_backward=True,
-        nvme_dir=nvme_dir,
-        **plan_options,
-      )
-      e = dataclasses.replace(
-        e,
-        update_in_backward_reason="chosen: the stack's whole gradients do not fit in "
-        "host_memory beside its weights and the NVMe buffers",
-      )
     taken = (
       f" ({units.format_bytes(other)} of it already held by other arrays in pinned host memory "
       "or reserved by other offloads)"
