@@ -114,6 +114,7 @@ def test_13b_on_a_24gb_card_with_48gib_of_host_fits(tmp_path, two_tb, capsys):
   assert "host: 48.00 GiB of --host-memory 48.00 GiB" in out
   assert "no setting needed" in out
   assert f"oo.offload(..., host_limit={host}, nvme_dir=DIR)" in out
+  assert f"or: oo.offload(..., host_memory={48 * GiB}, nvme_dir=DIR)" in out  # plans at init
   assert "weights on NVMe are not implemented" in out  # the reason the weights are in RAM
 
 

@@ -160,6 +160,16 @@ def _tiers(e: Estimate) -> list[str]:
       "the offloaded state in host memory"
       + ("; the stack's weights come on top)" if e.host_weight_bytes else ")")
     )
+    if e.host_memory is not None and e.update_on == "device":
+      accumulate = (
+        f", accumulate={e.accumulate}, accumulator_dtype={e.accumulator_dtype!r}"
+        if e.accumulate > 1
+        else ""
+      )
+      lines.append(
+        f"  or: oo.offload(..., host_memory={e.host_memory}, nvme_dir=DIR{accumulate}) (offload "
+        "makes this plan at init from the params' shapes, as oo.estimate does)"
+      )
   return lines
 
 
