@@ -16,6 +16,7 @@ import optax_offload as oo
 from optax_offload._src import cli
 from optax_offload._src import estimate as estimate_lib
 from optax_offload._src import host_budget
+from optax_offload._src import report as report_lib
 
 GiB = 2**30
 TWO_TB_FREE = 1_900_000_000_000  # a 2 TB drive, mostly free
@@ -114,7 +115,9 @@ def test_13b_on_a_24gb_card_with_48gib_of_host_fits(tmp_path, two_tb, capsys):
   assert "host: 48.00 GiB of --host-memory 48.00 GiB" in out
   assert "no setting needed" in out
   assert f"oo.offload(..., host_limit={host}, nvme_dir=DIR)" in out
-  assert f"or: oo.offload(..., host_memory={48 * GiB}, nvme_dir=DIR)" in out  # plans at init
+  # offload(host_memory=) plans at init from the shapes, which a count only approximates.
+  assert f"or: oo.offload(..., host_memory={48 * GiB}, nvme_dir=DIR) (offload plans at init " in out
+  assert "which this count approximates" in out
   assert "weights on NVMe are not implemented" in out  # the reason the weights are in RAM
 
 
@@ -138,6 +141,14 @@ def test_weights_and_grads_stay_in_host_memory_when_they_fit(two_tb):
   )  # fmt: skip
   assert not e.update_in_backward and e.host_weight_bytes == 52_000_000_000
   assert e.nvme_buffer_bytes == HAND_BUFFERS
+  assert "or: oo.offload(..., host_memory=" in report_lib.report(e)
+  # Told to update in the backward pass: offload(host_memory=...) would not choose so itself.
+  told = oo.estimate(
+    "13B", param_dtype="bf16", master_dtype="fp32", weights_on="host", layers=40,
+    device_memory="24GiB", memory_fraction=0.75, host_memory="128GiB", nvme_dir="/tmp",
+    update_in_backward=True,
+  )  # fmt: skip
+  assert told.fits and "or: oo.offload(..., host_memory=" not in report_lib.report(told)
   assert e.host_bytes == 128 * GiB - 52_000_000_000 - HAND_BUFFERS
   assert e.host_total_bytes == 128 * GiB and e.fits
 
@@ -159,6 +170,19 @@ def test_whole_gradients_that_fit_only_without_the_buffers_go_into_the_backward_
   )
   assert e.fits and e.host_weight_bytes == 26_000_000_000
   assert e.host_total_bytes <= 50 * GiB and e.host_bytes > 0
+  # Not where it would trade the host's shortfall for the device's: the window beside the
+  # streamed layers needs more of the device (8 GiB with 1 GiB of activations: 8.46 GiB).
+  small = dict(kwargs, device_memory="8GiB", memory_fraction=1.0, activation_bytes="1GiB")
+  assert any(
+    f.tier == "device" for f in oo.estimate("13B", update_in_backward=True, **small).shortfalls
+  )
+  e = oo.estimate("13B", **small)
+  assert not e.update_in_backward and [f.tier for f in e.shortfalls] == ["host"]
+  # Without NVMe what the gradients do not fit beside is the state.
+  e = oo.estimate("1B", param_dtype="bf16", master_dtype="fp32", weights_on="host", layers=16,
+                  host_memory="15GB")  # fmt: skip
+  assert e.fits and e.update_in_backward
+  assert "beside its weights and the offloaded state" in e.update_in_backward_reason
 
 
 def test_weights_that_do_not_fit_the_host_budget_never_fit(two_tb, capsys):
@@ -166,6 +190,7 @@ def test_weights_that_do_not_fit_the_host_budget_never_fit(two_tb, capsys):
   assert cli.main(argv) == 1
   out = capsys.readouterr().out
   assert "fits: NO" in out and "fits: yes" not in out
+  assert "or: oo.offload(..., host_memory=" not in out  # offload would refuse it
   assert "weights, gradients and accumulators on NVMe are not implemented" in out
   # All the state on NVMe: 26e9 B of weights + buffers 3 * 3.9e9 + 2 * 966_367_641 + 16_777_216
   # = 39.65e9 B.
@@ -176,6 +201,7 @@ def test_weights_that_do_not_fit_the_host_budget_never_fit(two_tb, capsys):
 def test_refusing_the_update_in_backward_leaves_no_room_for_the_grads(capsys):
   d = _json([*GOAL, "--nvme-size", "2TB", "--update-in-backward", "no"], capsys, status=1)
   assert not d["update_in_backward"]
+  assert d["update_in_backward_reason"] == "as asked (--update-in-backward no)"
   (short,) = d["shortfalls"]
   assert short["tier"] == "host" and short["needed"] == 52_000_000_000 + HAND_BUFFERS
   assert "--update-in-backward yes" in short["advice"]

@@ -486,8 +486,8 @@ def estimate(
     update_in_backward: with ``weights_on="host"``, whether the stack's update runs inside the
       backward pass (`value_and_update`: no whole gradients, the window beside the streamed
       layers); None decides: yes when the stack's weights and gradients exceed `host_memory`,
-      or with the NVMe buffers beside them (and the plan fits without whole gradients), or
-      when ``accumulate > 1``.
+      or with the NVMe buffers (or the state) beside them where the host fits without whole
+      gradients and the device no worse, or when ``accumulate > 1``.
     accumulate: micro-batches per optimizer step with the update in the backward pass: gradient
       accumulators for the stack in host memory.
     accumulator_dtype: their dtype (`value_and_update`'s ``accumulator_dtype``): ``"fp32"`` (4 B
@@ -679,7 +679,22 @@ def estimate(
     fit = host_budget.fit_host_memory(build, host_memory, host_limit, stack, fused, accumulators)
     return fit, accumulators
 
-  e, accumulators = fitted(fused)
+  def finished(fused: bool, why: str | None) -> Estimate:
+    e, accumulators = fitted(fused)
+    return dataclasses.replace(
+      e,
+      host_limit=host_limit,
+      host_memory=host_memory,
+      device_card_memory=None if fraction is None else card,
+      memory_fraction=fraction,
+      update_in_backward=fused,
+      update_in_backward_reason=why,
+      accumulate=accumulate,
+      accumulator_bytes=accumulators,
+      accumulator_dtype=dtype_name(acc_dtype) if accumulators else None,
+    )
+
+  e = finished(fused, why)
   if (
     update_in_backward is None
     and stack
@@ -687,27 +702,18 @@ def estimate(
     and update_on == "device"
     and host_memory is not None
     and e.host_total_bytes > host_memory
-  ):  # the whole gradients fit beside the weights, not beside the NVMe buffers too
-    in_backward, in_backward_accumulators = fitted(True)
-    if in_backward.host_total_bytes <= host_memory:
-      e, accumulators, fused = in_backward, in_backward_accumulators, True
-      why = (
-        "chosen: the stack's whole gradients do not fit in --host-memory "
-        f"{format_bytes(host_memory)} beside its weights and the NVMe buffers "
-        "(--update-in-backward no to refuse)"
-      )
-  return dataclasses.replace(
-    e,
-    host_limit=host_limit,
-    host_memory=host_memory,
-    device_card_memory=None if fraction is None else card,
-    memory_fraction=fraction,
-    update_in_backward=fused,
-    update_in_backward_reason=why,
-    accumulate=accumulate,
-    accumulator_bytes=accumulators,
-    accumulator_dtype=dtype_name(acc_dtype) if accumulators else None,
-  )
+  ):  # the whole gradients fit beside the weights, not beside the NVMe buffers (or state) too
+    beside = "the NVMe buffers" if e.nvme else "the offloaded state"
+    in_backward = finished(
+      True,
+      "chosen: the stack's whole gradients do not fit in --host-memory "
+      f"{format_bytes(host_memory)} beside its weights and {beside} "
+      "(--update-in-backward no to refuse)",
+    )
+    device_short = [any(f.tier == "device" for f in x.shortfalls) for x in (e, in_backward)]
+    if in_backward.host_total_bytes <= host_memory and device_short[0] >= device_short[1]:
+      e = in_backward  # (its window beside the streamed layers: not where the device is short)
+  return e
 
 
 def _parse_master(master_dtype: Any) -> np.dtype | None:

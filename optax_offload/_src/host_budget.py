@@ -288,6 +288,8 @@ def choose_update_in_backward(
         "streams."
       )
     return True, "as asked (--update-in-backward yes)"
+  if given is False and stack:
+    return False, "as asked (--update-in-backward no)"
   if given is False or not stack or update_on != "device":
     return False, None
   if accumulate > 1:

@@ -160,15 +160,22 @@ def _tiers(e: Estimate) -> list[str]:
       "the offloaded state in host memory"
       + ("; the stack's weights come on top)" if e.host_weight_bytes else ")")
     )
-    if e.host_memory is not None and e.update_on == "device":
+    asked = (e.update_in_backward_reason or "").startswith("as asked")
+    short = any(f.tier == "host" for f in e.shortfalls)
+    if e.host_memory is not None and e.update_on == "device" and not asked and not short:
       accumulate = (
         f", accumulate={e.accumulate}, accumulator_dtype={e.accumulator_dtype!r}"
         if e.accumulate > 1
         else ""
       )
+      how = (
+        "offload makes this plan at init from the params' shapes, as oo.estimate does"
+        if e.plan is not None
+        else "offload plans at init from the params' shapes and this device, which this count "
+        "approximates"
+      )
       lines.append(
-        f"  or: oo.offload(..., host_memory={e.host_memory}, nvme_dir=DIR{accumulate}) (offload "
-        "makes this plan at init from the params' shapes, as oo.estimate does)"
+        f"  or: oo.offload(..., host_memory={e.host_memory}, nvme_dir=DIR{accumulate}) ({how})"
       )
   return lines
 
