@@ -93,11 +93,12 @@ def _structure(tx: Any, name: str) -> _Structure:
 def _check_host_memory(s: _Structure, params: Any, name: str) -> None:
   """`offload(host_memory=...)` does not count `optax.MultiSteps`' accumulators of params in
   host memory (the gradients' size there): ValueError."""
-  on_host = any(
+  if s.multi is None or s.offloaded.host_memory is None:
+    return
+  if any(
     memory.in_host(p) or memory.kind_is_host(getattr(p, "sharding", None))
     for p in jax.tree.leaves(params)
-  )
-  if s.multi is not None and s.offloaded.host_memory is not None and on_host:
+  ):
     raise ValueError(
       f"{name}: offload(host_memory=...) does not count optax.MultiSteps' accumulators of the "
       "params in pinned host memory. Accumulate with oo.value_and_update(..., accumulate=k) and "

@@ -262,7 +262,7 @@ def dequantized(tree: Any) -> Any:
     scales_on = _sharding(scales) or _replicated(sharding)
     codes = jax.device_put(codes, sharding.with_memory_kind("device"))
     scales = jax.device_put(scales, scales_on.with_memory_kind("device"))
-    return jax.device_put(jax.jit(dequantize)(QuantizedMoment(codes, scales)), sharding)
+    return jax.device_put(dequantize(QuantizedMoment(codes, scales)), sharding)
 
   return jax.tree.map(read, tree, is_leaf=is_quantized)
 

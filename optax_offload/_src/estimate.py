@@ -655,7 +655,7 @@ def estimate(
     )
   acc_dtype = parse_accumulator_dtype(accumulator_dtype)
 
-  def fitted(fused: bool) -> tuple[Estimate, int]:
+  def finished(fused: bool, why: str | None) -> Estimate:
     accumulators = host_budget.accumulator_bytes(stack, fused, accumulate, acc_dtype.itemsize)
 
     def build(state_limit):
@@ -675,12 +675,9 @@ def estimate(
       return e
 
     if host_memory is None:
-      return build(host_limit), accumulators
-    fit = host_budget.fit_host_memory(build, host_memory, host_limit, stack, fused, accumulators)
-    return fit, accumulators
-
-  def finished(fused: bool, why: str | None) -> Estimate:
-    e, accumulators = fitted(fused)
+      e = build(host_limit)
+    else:
+      e = host_budget.fit_host_memory(build, host_memory, host_limit, stack, fused, accumulators)
     return dataclasses.replace(
       e,
       host_limit=host_limit,

@@ -34,25 +34,34 @@ class HostMemory:
     budget: the run's pinned host memory in all, in bytes.
     accumulate: ``value_and_update``'s micro-batches per step.
     accumulator_dtype: their accumulators' dtype.
+    plan_options: `estimate`'s arguments from offload's (optimizer, dtypes, update_on, ...).
     planned: `estimate`'s plan made at init (None before).
     reserved: bytes the plan holds beyond the arrays that exist at init (the stack's whole
       gradients, accumulators, NVMe buffers): other offloads planned later leave them out.
+    whole_gradients_need: where the plan updates the stack in the backward pass without
+      accumulating, the least host memory a step with its whole gradients needs (for the
+      refusals' advice).
   """
 
   budget: int
   accumulate: int = 1
   accumulator_dtype: Any = jnp.float32
+  plan_options: dict[str, Any] = dataclasses.field(default_factory=dict)
   planned: Any = None
   reserved: int = 0
   whole_gradients_need: int | None = None
 
-  def plan(self, params, abstract: Any, plan_options: dict[str, Any], nvme_dir, proc_dir):
+  def plan(self, params, abstract: Any, window_bytes: int, nvme_dir):
     """`estimate`'s plan for `abstract` (the params' shapes and shardings; `params` the arrays
     given to init, or the same abstract values) within `budget`, less what other arrays in
     pinned host memory and other planned offloads hold. ValueError with the plan's advice where
     the host or the disk is short (the device is not checked: offload does not know the
     activations); NotImplementedError for what it cannot plan."""
     from optax_offload._src import estimate  # estimate imports offload, which imports this
+    from optax_offload._src import nvme_tier
+
+    plan_options = dict(self.plan_options, window_bytes=window_bytes)
+    proc_dir = None if nvme_dir is None else nvme_tier.process_directory(nvme_dir)
 
     if jax.process_count() > 1:
       raise NotImplementedError(
@@ -60,9 +69,9 @@ class HostMemory:
         "each process host_limit instead: the state's host budget per process."
       )
     leaves = jax.tree.leaves(abstract)
-    on_host = [x for x in leaves if memory.is_pinned_host(getattr(x, "sharding", None))]
+    on_host = [x for x in leaves if estimate._in_pinned_host(x)]
     held = sum(memory.held_bytes(x) for x in on_host)
-    if held > sum(x.size * jnp.dtype(x.dtype).itemsize for x in on_host):
+    if held > sum(map(estimate._nbytes, on_host)):
       raise NotImplementedError(
         "offload(host_memory=...): a leaf of the params in pinned host memory is replicated on "
         "several devices, and the plan counts it once; shard the layer stack (or keep one "

@@ -170,8 +170,7 @@ def offload(
       "pinned host memory in all, of which offload plans the state's share at init), not both."
     )
 
-  if not (isinstance(accumulate, int) and accumulate >= 1):
-    raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
+  units.check_accumulate(accumulate)
   accumulator_dtype = units.parse_accumulator_dtype(accumulator_dtype)
   if host_memory_bytes is None and (accumulate != 1 or accumulator_dtype != jnp.float32):
     raise ValueError(
@@ -214,8 +213,7 @@ def offload(
     ),
     None
     if host_memory_bytes is None
-    else host_memory_lib.HostMemory(host_memory_bytes, accumulate, accumulator_dtype),
-    plan_options,
+    else host_memory_lib.HostMemory(host_memory_bytes, accumulate, accumulator_dtype, plan_options),
   )
   tx = optax.GradientTransformationExtraArgs(offloaded.init, offloaded.update)
   _OFFLOADED[tx.update] = offloaded
@@ -237,7 +235,6 @@ class _Offloaded:
     update_on: str,
     options: dict[str, Any],
     host_memory: host_memory_lib.HostMemory | None = None,
-    plan_options: dict[str, Any] | None = None,
   ):
     self.inner, self.master_dtype, self.update_on, self.options = (
       inner,
@@ -245,7 +242,7 @@ class _Offloaded:
       update_on,
       options,
     )
-    self.host_memory, self.plan_options = host_memory, plan_options
+    self.host_memory = host_memory
     self.setups: dict[tuple[tuple[int, ...], ...], setup_lib.Setup] = {}
     self.layouts: dict[Any, layout_lib.StateLayout] = {}
 
@@ -254,9 +251,7 @@ class _Offloaded:
       self.layouts[treedef] = layout_lib.StateLayout(self.inner, treedef)
     return self.layouts[treedef]
 
-  def setup_for_init(
-    self, treedef, paths, avals, shardings, params=(), traced=False
-  ) -> setup_lib.Setup:
+  def setup_for_init(self, treedef, paths, avals, shardings, params, traced) -> setup_lib.Setup:
     key = tuple(tuple(a.shape) for a in avals)
     old = self.setups.get(key)
     dtypes = tuple(jnp.dtype(a.dtype) for a in avals)
@@ -275,13 +270,7 @@ class _Offloaded:
         [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)]
       )
       window = tree_plan.window_bytes(options["window_bytes"], setup_lib.device_memory())
-      e = self.host_memory.plan(
-        params,
-        abstract,
-        dict(self.plan_options, window_bytes=window),
-        options["nvme_dir"],
-        _process_dir(options["nvme_dir"]),
-      )
+      e = self.host_memory.plan(params, abstract, window, options["nvme_dir"])
       options = dict(options, host_limit=e.host_bytes)
     self.setups[key] = setup_lib.make_setup(self.inner, treedef, paths, avals, shardings, **options)
     self.layouts.setdefault(treedef, self.setups[key].layout)
@@ -435,11 +424,6 @@ class _Offloaded:
       inner=layout.merge(new_shared, new_per_leaf), nvme_generation=new_generation
     )
     return treedef.unflatten(new_updates), new_state
-
-
-def _process_dir(nvme_dir) -> str | None:
-  """This process's NVMe store directory under `nvme_dir` (None without one)."""
-  return None if nvme_dir is None else os.path.join(nvme_dir, f"process_{jax.process_index()}")
 
 
 _OFFLOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

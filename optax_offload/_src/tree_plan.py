@@ -214,11 +214,9 @@ def derive_leaves(
   layout = layout_lib.StateLayout(inner, treedef)
   shared, parts = layout.split(jax.eval_shape(inner.init, treedef.unflatten(list(avals))))
   if check_separable:
-    twin = _SEPARABILITY_TWINS.get(inner.update)
-    if twin is None:
-      separable.check_separable(inner, layout, paths, avals)
-    else:
-      separable.check_separable(twin, layout_lib.StateLayout(twin, treedef), paths, avals)
+    twin = _SEPARABILITY_TWINS.get(inner.update, inner)
+    twin_layout = layout if twin is inner else layout_lib.StateLayout(twin, treedef)
+    separable.check_separable(twin, twin_layout, paths, avals)
   dims = tuple(separable.shared_dims(part, a.shape) for part, a in zip(parts, avals))
   rows = separable.splittable(inner, avals, parts, dims, min_size, axis=0)
   # A row slice of a leaf whose leading axis is sharded would cut across shards.

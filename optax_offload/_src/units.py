@@ -118,6 +118,12 @@ def parse_dtype(value: Any, name: str = "param_dtype") -> np.dtype:
     ) from None
 
 
+def check_accumulate(accumulate: Any) -> None:
+  """ValueError unless `accumulate` (micro-batches per step) is an int >= 1."""
+  if not (isinstance(accumulate, int) and accumulate >= 1):
+    raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
+
+
 def parse_accumulator_dtype(value: Any) -> np.dtype:
   """Parses the dtype of gradient accumulators (``"fp32"``, ``"bf16"``, ``jnp.float32``, ...): a
   floating dtype.

@@ -188,17 +188,16 @@ def value_and_update(
     >>> params["layers"].sharding.memory_kind
     'pinned_host'
   """
-  if not (isinstance(accumulate, int) and accumulate >= 1):
-    raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
+  units.check_accumulate(accumulate)
   structure = _structure(tx)
   acc_dtype = units.parse_accumulator_dtype(accumulator_dtype)
-  planned = structure.offloaded.host_memory
+  host_memory = structure.offloaded.host_memory
 
   def check_plan():
-    if planned is not None:  # offload(host_memory=...): what the plan counted
-      planned.check_step(accumulate, acc_dtype)
+    if host_memory is not None:  # offload(host_memory=...): what the plan counted
+      host_memory.check_step(accumulate, acc_dtype)
       if structure.clip is not None:
-        planned.check_whole_gradients(
+        host_memory.check_whole_gradients(
           "clip_by_global_norm before offload in the chain (the stack is then updated after "
           "the backward pass)"
         )
