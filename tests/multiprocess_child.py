@@ -10,6 +10,11 @@ lists the shard files of this process's last generation.
 --save-at STEP: saves an Orbax checkpoint (params and `oo.OffloadSave`) in OUT_DIR/ckpt after STEP steps.
 --restore-from DIR: restores the checkpoint of DIR/ckpt (its only step) and trains from there.
 
+--host-memory SIZE: offload(host_memory=SIZE) instead of host_limit (with --nvme: and nvme_dir).
+--hold-on-0 SIZE: process 0 holds an array of SIZE bytes in pinned host memory before init.
+--wide: one more leaf, 'wide' (64 x 200,000, sharded on its columns: 102 MB of Adam state in all,
+updated in row slices), and the NVMe store's options of `WIDE_NVME_OPTIONS`.
+
 --steps N: train N steps instead (benchmarks/multiprocess.py), and write the median step time.
 --fault: the kill-one-process test. Short coordination timeouts (`FAULT_TIMEOUTS`); trains with
 global-norm clipping outside offload (an all-reduce across processes every step) for up to
@@ -36,9 +41,15 @@ NVME = "--nvme" in sys.argv[5:]
 # Adam state of 'big' too (469 KiB in all) does not: it goes to NVMe, with 1 or 2 processes alike.
 NVME_HOST_LIMIT = "200KiB"
 SAVE_AT = int(sys.argv[sys.argv.index("--save-at") + 1]) if "--save-at" in sys.argv else None
+HOST_MEMORY = sys.argv[sys.argv.index("--host-memory") + 1] if "--host-memory" in sys.argv else None
+HOLD_ON_0 = int(sys.argv[sys.argv.index("--hold-on-0") + 1]) if "--hold-on-0" in sys.argv else 0
 RESTORE_FROM = (
   sys.argv[sys.argv.index("--restore-from") + 1] if "--restore-from" in sys.argv else None
 )
+WIDE = "--wide" in sys.argv
+WIDE_NVME_OPTIONS = {"io_threads": 1}
+"""One chunk file at a time each way: 4 MiB of write staging instead of 16, so that a spill to NVMe
+needs less host memory than 'wide''s state (its groups: `window_bytes`)."""
 FAULT_TIMEOUTS = {"heartbeat_timeout_seconds": 10, "shutdown_timeout_seconds": 10}
 """Coordination-service limits in fault mode: a dead peer is declared after 10 s without heartbeats
 (JAX's default is 100 s), and a shutdown waits at most 10 s for the others (default 300 s)."""
@@ -100,9 +111,20 @@ def global_array(x, spec, mesh):
 
 def main():
   mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices())
-  host_params = make_params()
-  params = jax.tree.map(lambda x, s: global_array(x, s, mesh), host_params, SPECS)
   nvme = {"host_limit": NVME_HOST_LIMIT, "nvme_dir": os.path.join(out_dir, "nvme")} if NVME else {}
+  if HOST_MEMORY is not None:
+    nvme = {"host_memory": HOST_MEMORY, **{k: v for k, v in nvme.items() if k == "nvme_dir"}}
+  host_params = make_params()
+  specs = SPECS
+  if WIDE:
+    host_params["wide"] = (np.random.default_rng(0).normal(size=(64, 200_000)) * 0.1).astype("f4")
+    specs = dict(SPECS, wide=P(None, "fsdp"))
+    nvme["nvme_options"] = WIDE_NVME_OPTIONS
+  params = jax.tree.map(lambda x, s: global_array(x, s, mesh), host_params, specs)
+  held = None
+  if HOLD_ON_0 and process_id == 0:
+    pinned = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind="pinned_host")
+    held = jax.device_put(np.zeros(HOLD_ON_0, np.uint8), pinned)
   tx = oo.offload(optax.adamw(1e-2), window_bytes=100_000, **nvme)
   if FAULT:  # clipping outside offload: every step all-reduces across the processes
     tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
@@ -113,6 +135,7 @@ def main():
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
+  del held  # what init planned beside
   if FAULT:
     fault(step, params, state, host_params, mesh)
     return
@@ -128,7 +151,7 @@ def main():
       )
     params, state = restored["params"], restored["opt"]
   for t in range(start, STEPS):
-    grads = jax.tree.map(lambda x, s: global_array(x, s, mesh), make_grads(host_params, t), SPECS)
+    grads = jax.tree.map(lambda x, s: global_array(x, s, mesh), make_grads(host_params, t), specs)
     t0 = time.perf_counter()
     params, state = step(params, state, grads)
     jax.block_until_ready((params, state))
@@ -153,7 +176,7 @@ def main():
     oo.sync_nvme(state)
     generation = int(state.nvme_generation)
     gen_dir = os.path.join(out_dir, "nvme", f"process_{process_id}", f"gen_{generation:08d}")
-    files = sorted(os.listdir(gen_dir))
+    files = sorted(os.listdir(gen_dir)) if generation >= 0 else []  # (all of it in RAM)
   with open(os.path.join(out_dir, f"footprint_{process_id}.json"), "w") as f:
     json.dump(
       {

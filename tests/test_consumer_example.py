@@ -280,8 +280,11 @@ def test_host_memory_counts_a_resumed_stores_files_as_room(tmp_path, monkeypatch
   assert host_memory._short_of_disk(dataclasses.replace(short, needed=short.needed + 1), str(store))
   assert host_memory._short_of_disk(short, str(tmp_path / "process_1"))
 
-  # One process's plan: a multi-process run is refused, with what to pass instead.
+  # A layer stack in pinned host memory is planned whole, in one process: a multi-process run is
+  # refused, with what to pass instead (params on the device: tests/test_multiprocess.py).
+  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  stack = jax.device_put(jax.numpy.ones((4, 64, 128)), pinned)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   tx = oo.offload(optax.adam(1e-3), host_memory="1GiB")
-  with pytest.raises(NotImplementedError, match="host_limit"):
-    tx.init({"w": jax.numpy.ones((64, 128))})
+  with pytest.raises(NotImplementedError, match="layer stack .* host_limit"):
+    tx.init({"w": stack})

@@ -80,7 +80,11 @@ def one_process(tmp_path_factory):
 
 def test_two_processes_equal_one_process_bit_for_bit(one_process, tmp_path):
   (one, fp_one), two = one_process, tmp_path / "two"
-  fp_two = _run(2, two)
+  # offload(host_memory=...) is each process's budget, planned from its own shards: 3/4 of the
+  # whole state fits each of the 2 processes' halves (counted whole it would be refused: no
+  # nvme_dir to spill to).
+  budget = fp_one["footprint"]["host"] * 3 // 4
+  fp_two = _run(2, two, "--host-memory", str(budget))
   _assert_same_result(one, two)
   # Each process holds its own shards in its own host memory: half of the sharded state each.
   assert all(f["memory_kinds"] == ["device", "pinned_host"] for f in [fp_one, *fp_two])
@@ -113,6 +117,34 @@ def test_nvme_tier_across_processes_and_checkpoint_into_one_process(one_process,
   resumed_two = tmp_path / "resumed_two"
   _run(2, resumed_two, "--nvme", "--restore-from", str(two))
   _assert_same_result(two, resumed_two)
+
+
+def test_host_memory_plans_every_process_with_the_least_room(tmp_path):
+  """The processes of a run plan one program: where live arrays leave one of them less room, every
+  process plans with that one's budget; where one is refused, every process is, at once."""
+  room = 60_000_000  # 'wide' takes 51.2 MB of Adam state per process, the rest 0.3 MB
+  alone = _run(
+    2, tmp_path / "alone", "--wide", "--steps", "1", "--nvme", "--host-memory", str(room)
+  )
+  assert [f["footprint"]["nvme"] for f in alone] == [0, 0]  # all of it fits in RAM
+  # Process 0 holds 20 MB more in pinned host memory: its 'wide' state goes to NVMe, and process
+  # 1's too, though it would fit there.
+  fps = _run(
+    2, tmp_path / "held", "--wide", "--steps", "1", "--nvme", "--host-memory", str(room),
+    "--hold-on-0", "20000000",
+  )  # fmt: skip
+  assert fps[0]["footprint"] == fps[1]["footprint"]
+  assert fps[1]["footprint"]["nvme"] == 51_200_000
+  assert fps[1]["footprint"]["host"] + fps[1]["footprint"]["nvme"] <= room
+  # 58 MB held: process 0 has no room for the NVMe tier's buffers; both are refused.
+  out = tmp_path / "short"
+  out.mkdir()
+  procs = _spawn(2, out, "--wide", "--steps", "1", "--nvme", "--host-memory", str(room),
+                 "--hold-on-0", "58000000")  # fmt: skip
+  errs = [p.communicate(timeout=120)[1] for p in procs]  # no process waits for the other
+  assert all(p.returncode != 0 for p in procs)
+  assert "raise --host-memory to at least" in errs[0], errs[0][-3000:]
+  assert "does not fit the plan of process 0" in errs[1], errs[1][-3000:]
 
 
 FAULT_BOUND_S = 20

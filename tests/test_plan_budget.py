@@ -198,6 +198,18 @@ def test_weights_that_do_not_fit_the_host_budget_never_fit(two_tb, capsys):
   assert "raise --host-memory to at least 36.93 GiB" in out
 
 
+def test_buffers_short_without_a_stack_name_only_the_buffers(tmp_path):
+  # No layer stack in host memory: the advice neither names one nor the update in the backward
+  # pass (what the multi-process refusal printed before).
+  e = oo.estimate(10_000_000, param_dtype="fp32", host_memory="1MiB", nvme_dir=str(tmp_path))
+  (short,) = e.shortfalls
+  assert short.tier == "host"
+  assert short.advice.startswith("NVMe staging buffers ")
+  assert "stack" not in short.advice and "backward" not in short.advice
+  assert "not implemented" not in short.advice
+  assert f"at least {oo.format_bytes(e.nvme_buffer_bytes)}" in short.advice
+
+
 def test_refusing_the_update_in_backward_leaves_no_room_for_the_grads(capsys):
   d = _json([*GOAL, "--nvme-size", "2TB", "--update-in-backward", "no"], capsys, status=1)
   assert not d["update_in_backward"]

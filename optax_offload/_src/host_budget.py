@@ -119,18 +119,24 @@ def host_memory_advice(e: Estimate) -> str:
   budget = e.host_memory or 0
   if fixed > budget or (e.nvme and fixed + e.nvme_buffer_bytes > budget):
     weights = e.host_weight_bytes if e.update_in_backward else e.host_weight_bytes // 2
-    parts = [f"the stack's weights {fmt(weights)}"]
-    if not e.update_in_backward:
+    stack = e.host_weight_bytes > 0
+    parts = [f"the stack's weights {fmt(weights)}"] if stack else []
+    if stack and not e.update_in_backward:
       parts.append(f"gradients {fmt(e.host_weight_bytes // 2)}")
     if e.accumulator_bytes:
       parts.append(f"gradient accumulators {fmt(e.accumulator_bytes)} (accumulate={e.accumulate})")
     if e.nvme_buffer_bytes:
       parts.append(f"NVMe staging buffers {fmt(e.nvme_buffer_bytes)}")
-    advice = (
-      f"{' + '.join(parts)} must stay in host memory (weights, gradients and accumulators on "
-      f"NVMe are not implemented): raise --host-memory to at least {fmt(fixed + e.nvme_buffer_bytes)}"
+    why = (
+      " (weights, gradients and accumulators on NVMe are not implemented)"
+      if stack or e.accumulator_bytes
+      else ""
     )
-    if not e.update_in_backward:
+    advice = (
+      f"{' + '.join(parts)} must stay in host memory{why}: raise --host-memory to at least "
+      f"{fmt(fixed + e.nvme_buffer_bytes)}"
+    )
+    if stack and not e.update_in_backward:
       advice += ", or update in the backward pass (--update-in-backward yes: no whole gradients)"
     elif e.accumulator_bytes:
       advice += (

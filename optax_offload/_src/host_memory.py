@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optax_offload._src import memory
 from optax_offload._src import units
@@ -63,13 +64,14 @@ class HostMemory:
     plan_options = dict(self.plan_options, window_bytes=window_bytes)
     proc_dir = None if nvme_dir is None else nvme_tier.process_directory(nvme_dir)
 
-    if jax.process_count() > 1:
-      raise NotImplementedError(
-        "offload(host_memory=...) plans one process's params whole; in a multi-process run give "
-        "each process host_limit instead: the state's host budget per process."
-      )
     leaves = jax.tree.leaves(abstract)
     on_host = [x for x in leaves if estimate._in_pinned_host(x)]
+    if on_host and jax.process_count() > 1:
+      raise NotImplementedError(
+        "offload(host_memory=...) with a layer stack in pinned host memory plans its weights "
+        "whole, not one process's shards; in a multi-process run give each process "
+        "host_limit instead (the state's host budget per process)."
+      )
     held = sum(memory.held_bytes(x) for x in on_host)
     if held > sum(map(estimate._nbytes, on_host)):
       raise NotImplementedError(
@@ -99,17 +101,31 @@ class HostMemory:
       else ""
     )
     short = [f for f in e.shortfalls if f.tier == "host" or _short_of_disk(f, proc_dir)]
+    refusal = None
     if short:
       beside = (
         f"; its figures are for what is left: add {units.format_bytes(other)} to them"
         if other
         else ""
       )
-      raise ValueError(
+      refusal = (
         f"offload: host_memory {units.format_bytes(self.budget)}{taken} does not fit this model's "
         f"plan (in the plan command's flags: --host-memory is host_memory{beside}): "
         + " ".join(f"{f.tier}: {f.advice}" for f in short)
       )
+    if jax.process_count() > 1:
+      least = _agreed_state_bytes(e.host_bytes, refusal)
+      if least < e.host_bytes:  # another process has less room: the same plan everywhere
+        e = estimate.estimate(abstract, host_limit=least, nvme_dir=nvme_dir, **plan_options)
+        if any(_short_of_disk(f, proc_dir) for f in e.shortfalls):
+          refusal = (
+            f"offload: host_memory {units.format_bytes(self.budget)}: another process has room "
+            f"for {units.format_bytes(least)} of offloaded state in host memory, and this "
+            "process's plan with as little (its programs must be the same) is short of disk: "
+            + " ".join(f.advice for f in e.shortfalls if f.tier == "nvme")
+          )
+    if refusal is not None:
+      raise ValueError(refusal)
     self.whole_gradients_need = None
     if e.weights_on == "host" and e.update_in_backward and self.accumulate == 1:
       # What a step holding the stack's gradients whole would need: the least host memory of
@@ -172,6 +188,27 @@ class HostMemory:
       f"{accumulate}, accumulator_dtype={jnp.dtype(accumulator_dtype)}: the accumulators take "
       "host memory. Give offload the accumulate and accumulator_dtype of value_and_update."
     )
+
+
+def _agreed_state_bytes(state_bytes: int, refusal: str | None) -> int:
+  """The least of every process's host bytes of offloaded state, which each process then plans
+  with: the update is one program on every process, so its plan (groups and tiers) must be the
+  same, and live arrays may leave one process less room than another. Every process raises
+  where one is refused, so that none waits in a collective for it."""
+  from jax.experimental import multihost_utils
+
+  mine = np.array([state_bytes, refusal is not None], np.int64).view(np.int32)
+  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 4)
+  every = every.astype(np.int32).view(np.int64)  # (process, [state bytes, refused])
+  refused = [int(i) for i in np.flatnonzero(every[:, 1])]
+  if refused and refusal is None:
+    raise ValueError(
+      f"offload: host_memory does not fit the plan of process {', '.join(map(str, refused))} "
+      "(see its error); every process plans the same offloaded state."
+    )
+  if refusal is not None:
+    raise ValueError(refusal)
+  return int(every[:, 0].min())
 
 
 def _live_described(abstract: list) -> list:

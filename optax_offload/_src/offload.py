@@ -81,10 +81,12 @@ def offload(
       `nvme_dir`; a budget that does not fit is refused with the plan's advice. Where the
       stack's gradients do not fit whole, the plan updates the stack inside the backward pass
       (`value_and_update`), and what holds them whole is refused: `tx.update`,
-      `update_and_apply`, a clip before `offload` in the chain. It plans one process, one copy
-      of the params and state (donate them to the jitted step) and ``update_on="device"``; it
-      refuses multi-process runs and ``optax.MultiSteps`` around a stack in pinned host memory
-      (use ``value_and_update(..., accumulate=k)``).
+      `update_and_apply`, a clip before `offload` in the chain. It plans one copy of the params
+      and state (donate them to the jitted step) and ``update_on="device"``. In a multi-process
+      run it is each process's budget, for its shards, and every process plans with the least
+      room any of them has (their update programs must be the same); a layer stack in pinned
+      host memory is planned in one process only. It refuses ``optax.MultiSteps`` around a stack
+      in pinned host memory (use ``value_and_update(..., accumulate=k)``).
     accumulate: with `host_memory`, ``value_and_update``'s micro-batches per step: their
       accumulators (of a stack in pinned host memory) take host memory too, and
       ``value_and_update`` refuses a step that accumulates where the plan did not (or the
