@@ -28,6 +28,12 @@ import os
 import sys
 import time
 
+
+def _option(name: str, default=None):
+  """The value after the flag `name`, or `default`."""
+  return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
 process_id, num_processes, port, out_dir = (
   int(sys.argv[1]),
   int(sys.argv[2]),
@@ -35,17 +41,17 @@ process_id, num_processes, port, out_dir = (
   sys.argv[4],
 )
 FAULT = "--fault" in sys.argv[5:]
-STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 10
+STEPS = int(_option("--steps", 10))
 NVME = "--nvme" in sys.argv[5:]
 # Per process: the rest of the offloaded state (164 KiB in 1 process, 82 KiB in each of 2) fits, the
 # Adam state of 'big' too (469 KiB in all) does not: it goes to NVMe, with 1 or 2 processes alike.
 NVME_HOST_LIMIT = "200KiB"
-SAVE_AT = int(sys.argv[sys.argv.index("--save-at") + 1]) if "--save-at" in sys.argv else None
-HOST_MEMORY = sys.argv[sys.argv.index("--host-memory") + 1] if "--host-memory" in sys.argv else None
-HOLD_ON_0 = int(sys.argv[sys.argv.index("--hold-on-0") + 1]) if "--hold-on-0" in sys.argv else 0
-RESTORE_FROM = (
-  sys.argv[sys.argv.index("--restore-from") + 1] if "--restore-from" in sys.argv else None
-)
+SAVE_AT = None if _option("--save-at") is None else int(_option("--save-at"))
+
+
+HOST_MEMORY = _option("--host-memory")
+HOLD_ON_0 = int(_option("--hold-on-0", 0))
+RESTORE_FROM = _option("--restore-from")
 WIDE = "--wide" in sys.argv
 WIDE_NVME_OPTIONS = {"io_threads": 1}
 """One chunk file at a time each way: 4 MiB of write staging instead of 16, so that a spill to NVMe

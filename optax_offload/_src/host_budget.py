@@ -119,7 +119,7 @@ def host_memory_advice(e: Estimate) -> str:
   budget = e.host_memory or 0
   if fixed > budget or (e.nvme and fixed + e.nvme_buffer_bytes > budget):
     weights = e.host_weight_bytes if e.update_in_backward else e.host_weight_bytes // 2
-    stack = e.host_weight_bytes > 0
+    stack = e.weights_on == "host"
     parts = [f"the stack's weights {fmt(weights)}"] if stack else []
     if stack and not e.update_in_backward:
       parts.append(f"gradients {fmt(e.host_weight_bytes // 2)}")

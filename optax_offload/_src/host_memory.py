@@ -86,44 +86,52 @@ class HostMemory:
     other = memory.pinned_host_bytes(exclude=[params, described])
     other += sum(p.reserved for p in _PLANNED if p is not self)
     accumulate = self.accumulate if on_host else 1  # accumulators of a device stack: device
-    e = estimate.estimate(
-      abstract,
-      host_memory=max(self.budget - other, 0),
-      accumulate=accumulate,
-      accumulator_dtype=self.accumulator_dtype,
-      nvme_dir=nvme_dir,
-      **plan_options,
-    )
+    room = max(self.budget - other, 0)
     taken = (
       f" ({units.format_bytes(other)} of it already held by other arrays in pinned host memory "
       "or reserved by other offloads)"
       if other
       else ""
     )
-    short = [f for f in e.shortfalls if f.tier == "host" or _short_of_disk(f, proc_dir)]
-    refusal = None
-    if short:
-      beside = (
-        f"; its figures are for what is left: add {units.format_bytes(other)} to them"
-        if other
-        else ""
+    beside = f"; its figures are for what is left: add {units.format_bytes(other)} to them"
+
+    def plan_with(**limits):
+      """`estimate`'s plan, and the refusal of its shortfalls (None where it fits)."""
+      e = estimate.estimate(
+        abstract,
+        accumulate=accumulate,
+        accumulator_dtype=self.accumulator_dtype,
+        nvme_dir=nvme_dir,
+        **limits,
+        **plan_options,
       )
-      refusal = (
-        f"offload: host_memory {units.format_bytes(self.budget)}{taken} does not fit this model's "
-        f"plan (in the plan command's flags: --host-memory is host_memory{beside}): "
-        + " ".join(f"{f.tier}: {f.advice}" for f in short)
+      short = [f for f in e.shortfalls if f.tier == "host" or _short_of_disk(f, proc_dir)]
+      if not short:
+        return e, None
+      return e, (
+        f"offload: host_memory {units.format_bytes(self.budget)}{taken} does not fit this "
+        f"model's plan (in the plan command's flags: --host-memory is host_memory"
+        f"{beside if other else ''}): " + " ".join(f"{f.tier}: {f.advice}" for f in short)
       )
-    if jax.process_count() > 1:
-      least = _agreed_state_bytes(e.host_bytes, refusal)
+
+    if jax.process_count() == 1:
+      e, refusal = plan_with(host_memory=room)
+    else:  # every process plans, then all agree, and where one cannot, none goes on
+      e, refusal = _planned_or_refused(plan_with, host_memory=room)
+      least, _ = _agreed(0 if e is None else e.host_bytes, refusal)
       if least < e.host_bytes:  # another process has less room: the same plan everywhere
-        e = estimate.estimate(abstract, host_limit=least, nvme_dir=nvme_dir, **plan_options)
-        if any(_short_of_disk(f, proc_dir) for f in e.shortfalls):
-          refusal = (
-            f"offload: host_memory {units.format_bytes(self.budget)}: another process has room "
-            f"for {units.format_bytes(least)} of offloaded state in host memory, and this "
-            "process's plan with as little (its programs must be the same) is short of disk: "
-            + " ".join(f.advice for f in e.shortfalls if f.tier == "nvme")
-          )
+        logger.info(
+          "offload: host_memory: another process has room for %s of offloaded state in host "
+          "memory, this one for %s; every process plans with the least",
+          units.format_bytes(least),
+          units.format_bytes(e.host_bytes),
+        )
+        e, refusal = _planned_or_refused(plan_with, host_memory=room, host_limit=least)
+      if _agreed(0 if e is None else e.host_bytes, refusal) != (least, least):
+        raise ValueError(
+          f"offload: host_memory: the processes' plans keep different offloaded state in host "
+          f"memory (uneven shards?); give every process host_limit={least} instead."
+        )
     if refusal is not None:
       raise ValueError(refusal)
     self.whole_gradients_need = None
@@ -190,25 +198,35 @@ class HostMemory:
     )
 
 
-def _agreed_state_bytes(state_bytes: int, refusal: str | None) -> int:
-  """The least of every process's host bytes of offloaded state, which each process then plans
-  with: the update is one program on every process, so its plan (groups and tiers) must be the
-  same, and live arrays may leave one process less room than another. Every process raises
-  where one is refused, so that none waits in a collective for it."""
+def _planned_or_refused(plan_with, **limits):
+  """`plan_with(**limits)`, its error (a missing NVMe directory) turned into a refusal that
+  `_agreed` raises on every process."""
+  try:
+    return plan_with(**limits)
+  except (ValueError, OSError) as e:
+    return None, f"offload: {e}"
+
+
+def _agreed(state_bytes: int, refusal: str | None) -> tuple[int, int]:
+  """The least and the most of every process's host bytes of offloaded state: each process then
+  plans with the least, since the update is one program on every process (its groups and tiers
+  the same), and live arrays may leave one process less room than another. Every process raises
+  where one is refused, so that none waits in a collective for it. A collective: every process
+  calls it, as often."""
   from jax.experimental import multihost_utils
 
   mine = np.array([state_bytes, refusal is not None], np.int64).view(np.int32)
-  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 4)
-  every = every.astype(np.int32).view(np.int64)  # (process, [state bytes, refused])
-  refused = [int(i) for i in np.flatnonzero(every[:, 1])]
-  if refused and refusal is None:
-    raise ValueError(
-      f"offload: host_memory does not fit the plan of process {', '.join(map(str, refused))} "
-      "(see its error); every process plans the same offloaded state."
-    )
+  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 4).view(np.int64)
   if refusal is not None:
     raise ValueError(refusal)
-  return int(every[:, 0].min())
+  refused = [str(i) for i in np.flatnonzero(every[:, 1])]
+  if refused:
+    raise ValueError(
+      f"offload: process{'es' if len(refused) > 1 else ''} {', '.join(refused)} refused the "
+      "host_memory plan (host memory or disk: see its error); every process stops, so that none "
+      "waits for it."
+    )
+  return int(every[:, 0].min()), int(every[:, 0].max())
 
 
 def _live_described(abstract: list) -> list:

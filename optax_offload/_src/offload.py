@@ -84,8 +84,8 @@ def offload(
       `update_and_apply`, a clip before `offload` in the chain. It plans one copy of the params
       and state (donate them to the jitted step) and ``update_on="device"``. In a multi-process
       run it is each process's budget, for its shards, and every process plans with the least
-      room any of them has (their update programs must be the same); a layer stack in pinned
-      host memory is planned in one process only. It refuses ``optax.MultiSteps`` around a stack
+      state budget any of them finds (their update programs must be the same), so ``init`` is
+      a collective; a layer stack in pinned host memory is refused there (pass `host_limit`). It refuses ``optax.MultiSteps`` around a stack
       in pinned host memory (use ``value_and_update(..., accumulate=k)``).
     accumulate: with `host_memory`, ``value_and_update``'s micro-batches per step: their
       accumulators (of a stack in pinned host memory) take host memory too, and
