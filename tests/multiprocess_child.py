@@ -12,6 +12,7 @@ lists the shard files of this process's last generation.
 
 --host-memory SIZE: offload(host_memory=SIZE) instead of host_limit (with --nvme: and nvme_dir).
 --hold-on-0 SIZE: process 0 holds an array of SIZE bytes in pinned host memory before init.
+--nvme-dir-on-1 DIR: process 1's nvme_dir (with --nvme), instead of OUT_DIR/nvme.
 --wide: one more leaf, 'wide' (64 x 200,000, sharded on its columns: 102 MB of Adam state in all,
 updated in row slices), and the NVMe store's options of `WIDE_NVME_OPTIONS`.
 
@@ -118,6 +119,8 @@ def global_array(x, spec, mesh):
 def main():
   mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices())
   nvme = {"host_limit": NVME_HOST_LIMIT, "nvme_dir": os.path.join(out_dir, "nvme")} if NVME else {}
+  if NVME and process_id == 1 and _option("--nvme-dir-on-1") is not None:
+    nvme["nvme_dir"] = _option("--nvme-dir-on-1")
   if HOST_MEMORY is not None:
     nvme = {"host_memory": HOST_MEMORY, **{k: v for k, v in nvme.items() if k == "nvme_dir"}}
   host_params = make_params()

@@ -148,6 +148,17 @@ def test_host_memory_plans_every_process_with_the_least_room(tmp_path):
   assert code0 != 0 and code1 != 0
   assert "raise --host-memory to at least" in err0, err0[-3000:]
   assert "process 0 refused the host_memory plan" in err1, err1[-3000:]
+  # Process 1's nvme_dir cannot be created: its planning fails before the processes agree, and
+  # process 0 is refused too rather than waiting for it.
+  unwritable = tmp_path / "a_file"
+  unwritable.write_text("")
+  (code0, err0), (code1, err1) = _run(
+    2, tmp_path / "no_dir", "--wide", "--steps", "1", "--nvme", "--host-memory", str(room),
+    "--nvme-dir-on-1", str(unwritable / "nvme"), timeout=120, check=False,
+  )  # fmt: skip
+  assert code0 != 0 and code1 != 0
+  assert "cannot be created" in err1, err1[-3000:]
+  assert "process 1 refused the host_memory plan" in err0, err0[-3000:]
 
 
 FAULT_BOUND_S = 20

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import weakref
+import zlib
 from typing import Any
 
 import jax
@@ -118,7 +119,7 @@ class HostMemory:
       e, refusal = plan_with(host_memory=room)
     else:  # every process plans, then all agree, and where one cannot, none goes on
       e, refusal = _planned_or_refused(plan_with, host_memory=room)
-      least, _ = _agreed(0 if e is None else e.host_bytes, refusal)
+      least = int(_agreed([0 if e is None else e.host_bytes], refusal)[:, 0].min())
       if least < e.host_bytes:  # another process has less room: the same plan everywhere
         logger.info(
           "offload: host_memory: another process has room for %s of offloaded state in host "
@@ -127,10 +128,12 @@ class HostMemory:
           units.format_bytes(e.host_bytes),
         )
         e, refusal = _planned_or_refused(plan_with, host_memory=room, host_limit=least)
-      if _agreed(0 if e is None else e.host_bytes, refusal) != (least, least):
+      every = _agreed([0, 0] if e is None else [e.host_bytes, _fingerprint(e.plan)], refusal)
+      if (every != every[0]).any():
         raise ValueError(
-          f"offload: host_memory: the processes' plans keep different offloaded state in host "
-          f"memory (uneven shards?); give every process host_limit={least} instead."
+          "offload: host_memory: the processes plan different groups or tiers of offloaded "
+          f"state (uneven shards, or devices of different memory?); give every process "
+          f"host_limit={least} and the same window_bytes instead."
         )
     if refusal is not None:
       raise ValueError(refusal)
@@ -207,26 +210,34 @@ def _planned_or_refused(plan_with, **limits):
     return None, f"offload: {e}"
 
 
-def _agreed(state_bytes: int, refusal: str | None) -> tuple[int, int]:
-  """The least and the most of every process's host bytes of offloaded state: each process then
-  plans with the least, since the update is one program on every process (its groups and tiers
-  the same), and live arrays may leave one process less room than another. Every process raises
-  where one is refused, so that none waits in a collective for it. A collective: every process
-  calls it, as often."""
+def _agreed(values: list[int], refusal: str | None) -> np.ndarray:
+  """Every process's `values` (process, value): each process then plans with the least host
+  bytes of offloaded state, and checks that the plans are the same, since the update is one
+  program on every process and live arrays may leave one process less room than another. Every
+  process raises where one is refused, so that none waits in a collective for it. A collective:
+  every process calls it, as often, with as many values."""
   from jax.experimental import multihost_utils
 
-  mine = np.array([state_bytes, refusal is not None], np.int64).view(np.int32)
-  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 4).view(np.int64)
+  mine = np.array([*values, refusal is not None], np.int64).view(np.int32)
+  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+  every = every.view(np.int64)
   if refusal is not None:
     raise ValueError(refusal)
-  refused = [str(i) for i in np.flatnonzero(every[:, 1])]
+  refused = [str(i) for i in np.flatnonzero(every[:, -1])]
   if refused:
     raise ValueError(
       f"offload: process{'es' if len(refused) > 1 else ''} {', '.join(refused)} refused the "
       "host_memory plan (host memory or disk: see its error); every process stops, so that none "
       "waits for it."
     )
-  return int(every[:, 0].min()), int(every[:, 0].max())
+  return every[:, :-1]
+
+
+def _fingerprint(plan) -> int:
+  """A checksum of a plan's tiers and groups, to compare across processes."""
+  if plan is None:
+    return 0
+  return zlib.crc32(repr((plan.tiers, plan.units, plan.window_bytes)).encode())
 
 
 def _live_described(abstract: list) -> list:
