@@ -288,3 +288,74 @@ def test_host_memory_counts_a_resumed_stores_files_as_room(tmp_path, monkeypatch
   tx = oo.offload(optax.adam(1e-3), host_memory="1GiB")
   with pytest.raises(NotImplementedError, match="layer stack .* host_limit"):
     tx.init({"w": stack})
+
+
+def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(tmp_path, monkeypatch):
+  # Paths of the processes' agreement (host_memory._agreed) that tests/test_multiprocess.py's
+  # real runs cannot reach with one machine's alike devices and even shards: the other process
+  # is one scripted row of the gather (this process's values, the other's), as process 1 of 2.
+  import jax
+  import numpy as np
+  import optax
+  from conftest import make_params
+  from jax.experimental import multihost_utils
+
+  params = make_params()
+  nvme_dir = str(tmp_path / "nvme")
+
+  def offload():
+    return oo.offload(
+      optax.adam(1e-3), window_bytes=100_000, host_memory="64MiB", nvme_dir=nvme_dir
+    )
+
+  def other_process(*rows):
+    """Each gather in turn: the other process's values from this one's (int64, then the flag)."""
+    script = iter(rows)
+
+    def gather(mine):
+      mine = np.asarray(mine)
+      values = mine.view(np.int64)
+      other = np.asarray(next(script)(values), np.int64).view(np.int32)
+      return np.stack([other, mine])  # the other is process 0
+
+    return gather
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  same = lambda v: v  # noqa: E731
+  # The other process has room for less state: this one plans with that, spilling the rest.
+  least = oo.estimate(
+    params, optimizer=optax.adam(1e-3), window_bytes=100_000, host_limit=300_000, nvme_dir=nvme_dir
+  ).host_bytes
+  assert 0 < least < oo.estimate(params, optimizer=optax.adam(1e-3)).host_bytes
+  monkeypatch.setattr(
+    multihost_utils, "process_allgather", other_process(lambda v: [least, 0], same)
+  )
+  tx = offload()
+  state = tx.init(params)
+  assert oo.footprint(state)["host"] == least and oo.footprint(state)["nvme"] > 0
+  oo.close_nvme(state)
+  # Plans that differ after all (another checksum of the groups): refused on every process.
+  monkeypatch.setattr(
+    multihost_utils,
+    "process_allgather",
+    other_process(same, lambda v: [v[0], v[1] + 1, 0]),
+  )
+  with pytest.raises(ValueError, match="plan different groups or tiers"):
+    offload().init(params)
+  # The other process is refused when it plans again: this one is, naming it.
+  monkeypatch.setattr(
+    multihost_utils, "process_allgather", other_process(same, lambda v: [0, 0, 1])
+  )
+  with pytest.raises(ValueError, match="process 0 refused the host_memory plan"):
+    offload().init(params)
+  # This process's own error is raised as it is, after the other process learns of it.
+  gathers = []
+  monkeypatch.setattr(
+    multihost_utils, "process_allgather", lambda mine: gathers.append(mine) or np.stack([mine] * 2)
+  )
+  unwritable = tmp_path / "a_file"
+  unwritable.write_text("")
+  tx = oo.offload(optax.adam(1e-3), host_memory="64MiB", nvme_dir=str(unwritable / "nvme"))
+  with pytest.raises(ValueError, match="cannot be created"):
+    tx.init(params)
+  assert len(gathers) == 1 and np.asarray(gathers[0]).view(np.int64)[-1] == 1

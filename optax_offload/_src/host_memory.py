@@ -128,12 +128,18 @@ class HostMemory:
           units.format_bytes(e.host_bytes),
         )
         e, refusal = _planned_or_refused(plan_with, host_memory=room, host_limit=least)
+        if isinstance(refusal, str):
+          refusal = (
+            f"offload: another process has room for only {units.format_bytes(least)} of "
+            "offloaded state in host memory, and every process plans the same: this one "
+            f"planned with host_limit={least}, and " + refusal.removeprefix("offload: ")
+          )
       every = _agreed([0, 0] if e is None else [e.host_bytes, _fingerprint(e.plan)], refusal)
       if (every != every[0]).any():
         raise ValueError(
           "offload: host_memory: the processes plan different groups or tiers of offloaded "
-          f"state (uneven shards, or devices of different memory?); give every process "
-          f"host_limit={least} and the same window_bytes instead."
+          "state, and their update programs must be the same: give every process the same "
+          "shards of the params (as many local devices each) and the same window_bytes."
         )
     if refusal is not None:
       raise ValueError(refusal)
@@ -202,15 +208,15 @@ class HostMemory:
 
 
 def _planned_or_refused(plan_with, **limits):
-  """`plan_with(**limits)`, its error (a missing NVMe directory) turned into a refusal that
-  `_agreed` raises on every process."""
+  """`plan_with(**limits)`, any error it raises (an NVMe directory that cannot be created) kept
+  as the refusal that `_agreed` raises, after the other processes learn of it."""
   try:
     return plan_with(**limits)
-  except (ValueError, OSError) as e:
-    return None, f"offload: {e}"
+  except Exception as e:  # raised again by _agreed, on this process, as it is
+    return None, e
 
 
-def _agreed(values: list[int], refusal: str | None) -> np.ndarray:
+def _agreed(values: list[int], refusal: str | Exception | None) -> np.ndarray:
   """Every process's `values` (process, value): each process then plans with the least host
   bytes of offloaded state, and checks that the plans are the same, since the update is one
   program on every process and live arrays may leave one process less room than another. Every
@@ -221,6 +227,8 @@ def _agreed(values: list[int], refusal: str | None) -> np.ndarray:
   mine = np.array([*values, refusal is not None], np.int64).view(np.int32)
   every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
   every = every.view(np.int64)
+  if isinstance(refusal, Exception):
+    raise refusal
   if refusal is not None:
     raise ValueError(refusal)
   refused = [str(i) for i in np.flatnonzero(every[:, -1])]

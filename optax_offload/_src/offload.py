@@ -71,22 +71,22 @@ def offload(
       offload(optax.adamw(1e-3)))``.
     host_limit: pinned-host budget for the offloaded state, in bytes or a string like ``"64GiB"``;
       None for no limit.
-    host_memory: instead of `host_limit`, the pinned host memory the run may use in all: the
-      params already in pinned host memory (a layer stack streamed by `offloaded_scan`), their
-      gradients where the plan keeps them whole, accumulators, the offloaded state, the NVMe
-      tier's buffers, what other arrays in pinned host memory and other such offloads hold. At
-      ``init`` (outside `jax.jit`, or after `abstract_state`) the state's host budget is what
-      `estimate` with the params' shapes and this transformation's options leaves of it (as
-      ``python -m optax_offload plan --host-memory``), the rest of the state goes to
-      `nvme_dir`; a budget that does not fit is refused with the plan's advice. Where the
-      stack's gradients do not fit whole, the plan updates the stack inside the backward pass
-      (`value_and_update`), and what holds them whole is refused: `tx.update`,
-      `update_and_apply`, a clip before `offload` in the chain. It plans one copy of the params
-      and state (donate them to the jitted step) and ``update_on="device"``. In a multi-process
-      run it is each process's budget, for its shards, and every process plans with the least
-      state budget any of them finds (their update programs must be the same), so ``init`` is
-      a collective; a layer stack in pinned host memory is refused there (pass `host_limit`). It refuses ``optax.MultiSteps`` around a stack
-      in pinned host memory (use ``value_and_update(..., accumulate=k)``).
+    host_memory: instead of `host_limit`, the pinned host memory the run may use in all: the params
+      already in pinned host memory (a layer stack streamed by `offloaded_scan`), their gradients
+      where the plan keeps them whole, accumulators, the offloaded state, the NVMe tier's buffers,
+      what other arrays in pinned host memory and other such offloads hold. At ``init`` (outside
+      `jax.jit`, or after `abstract_state`) the state's host budget is what `estimate` with the
+      params' shapes and this transformation's options leaves of it (as ``python -m optax_offload
+      plan --host-memory``), the rest of the state goes to `nvme_dir`; a budget that does not fit is
+      refused with the plan's advice. Where the stack's gradients do not fit whole, the plan updates
+      the stack inside the backward pass (`value_and_update`), and what holds them whole is refused:
+      `tx.update`, `update_and_apply`, a clip before `offload` in the chain. It plans one copy of
+      the params and state (donate them to the jitted step) and ``update_on="device"``. In a
+      multi-process run it is each process's budget, for its shards, and every process plans with
+      the least state budget any of them finds (their update programs must be the same), so ``init``
+      is a collective; a layer stack in pinned host memory is refused there (pass `host_limit`). It
+      refuses ``optax.MultiSteps`` around a stack in pinned host memory (use ``value_and_update(...,
+      accumulate=k)``).
     accumulate: with `host_memory`, ``value_and_update``'s micro-batches per step: their
       accumulators (of a stack in pinned host memory) take host memory too, and
       ``value_and_update`` refuses a step that accumulates where the plan did not (or the
