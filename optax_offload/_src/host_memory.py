@@ -13,6 +13,7 @@ import logging
 import os
 import weakref
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,9 +41,9 @@ class HostMemory:
     planned: `estimate`'s plan made at init (None before).
     reserved: bytes the plan holds beyond the arrays that exist at init (the stack's whole
       gradients, accumulators, NVMe buffers): other offloads planned later leave them out.
-    whole_gradients_need: where the plan updates the stack in the backward pass without
-      accumulating, the least host memory a step with its whole gradients needs (for the
-      refusals' advice).
+    whole_gradients_plan: where the plan updates the stack in the backward pass without
+      accumulating, what gives the least host memory a step with its whole gradients needs (for
+      the refusals' advice; planned only when a refusal names it).
   """
 
   budget: int
@@ -51,7 +52,7 @@ class HostMemory:
   plan_options: dict[str, Any] = dataclasses.field(default_factory=dict)
   planned: Any = None
   reserved: int = 0
-  whole_gradients_need: int | None = None
+  whole_gradients_plan: Callable[[], int] | None = None
 
   def plan(self, params, abstract: Any, window_bytes: int, nvme_dir):
     """`estimate`'s plan for `abstract` (the params' shapes and shardings; `params` the arrays
@@ -96,8 +97,9 @@ class HostMemory:
     )
     beside = f"; its figures are for what is left: add {units.format_bytes(other)} to them"
 
-    def plan_with(**limits):
-      """`estimate`'s plan, and the refusal of its shortfalls (None where it fits)."""
+    def plan_with(note: str = "", **limits):
+      """`estimate`'s plan, and the refusal of its shortfalls (None where it fits), after
+      `note`."""
       e = estimate.estimate(
         abstract,
         accumulate=accumulate,
@@ -110,47 +112,27 @@ class HostMemory:
       if not short:
         return e, None
       return e, (
-        f"offload: host_memory {units.format_bytes(self.budget)}{taken} does not fit this "
+        f"offload: {note}host_memory {units.format_bytes(self.budget)}{taken} does not fit this "
         f"model's plan (in the plan command's flags: --host-memory is host_memory"
         f"{beside if other else ''}): " + " ".join(f"{f.tier}: {f.advice}" for f in short)
       )
 
     if jax.process_count() == 1:
       e, refusal = plan_with(host_memory=room)
-    else:  # every process plans, then all agree, and where one cannot, none goes on
-      e, refusal = _planned_or_refused(plan_with, host_memory=room)
-      least = int(_agreed([0 if e is None else e.host_bytes], refusal)[:, 0].min())
-      if least < e.host_bytes:  # another process has less room: the same plan everywhere
-        logger.info(
-          "offload: host_memory: another process has room for %s of offloaded state in host "
-          "memory, this one for %s; every process plans with the least",
-          units.format_bytes(least),
-          units.format_bytes(e.host_bytes),
-        )
-        e, refusal = _planned_or_refused(plan_with, host_memory=room, host_limit=least)
-        if isinstance(refusal, str):
-          refusal = (
-            f"offload: another process has room for only {units.format_bytes(least)} of "
-            "offloaded state in host memory, and every process plans the same: this one "
-            f"planned with host_limit={least}, and " + refusal.removeprefix("offload: ")
-          )
-      every = _agreed([0, 0] if e is None else [e.host_bytes, _fingerprint(e.plan)], refusal)
-      if (every != every[0]).any():
-        raise ValueError(
-          "offload: host_memory: the processes plan different groups or tiers of offloaded "
-          "state, and their update programs must be the same: give every process the same "
-          "shards of the params (as many local devices each) and the same window_bytes."
-        )
+    else:
+      e, refusal = _plan_alike(plan_with, room)
     if refusal is not None:
       raise ValueError(refusal)
-    self.whole_gradients_need = None
+    self.whole_gradients_plan = None
     if e.weights_on == "host" and e.update_in_backward and self.accumulate == 1:
       # What a step holding the stack's gradients whole would need: the least host memory of
       # that plan (all the state on NVMe), for the refusals' advice.
-      whole = estimate.estimate(
-        abstract, host_limit=0, update_in_backward=False, nvme_dir=nvme_dir, **plan_options
+      self.whole_gradients_plan = lambda: (
+        other
+        + estimate.estimate(
+          abstract, host_limit=0, update_in_backward=False, nvme_dir=nvme_dir, **plan_options
+        ).host_total_bytes
       )
-      self.whole_gradients_need = other + whole.host_total_bytes
     self.planned, self.reserved = e, max(e.host_total_bytes - e.host_bytes - held, 0)
     _PLANNED.add(self)
     logger.info(
@@ -171,12 +153,13 @@ class HostMemory:
     whole) and `what` holds them whole, with what to give offload instead."""
     if not (self.stack_planned() and self.planned.update_in_backward):
       return
-    if self.whole_gradients_need is None:  # accumulation: the backward pass accumulates them
+    if self.whole_gradients_plan is None:  # accumulation: the backward pass accumulates them
       fix = "Train with oo.value_and_update without it."
     else:
+      need = self.whole_gradients_plan()
       fix = (
         "Train with oo.value_and_update without it, or give offload a host_memory of at least "
-        f"{units.format_bytes(self.whole_gradients_need)} ({self.whole_gradients_need} bytes: "
+        f"{units.format_bytes(need)} ({need} bytes: "
         "the stack's weights and whole gradients and the NVMe buffers beside what other arrays "
         "hold, the state on NVMe)."
       )
@@ -207,11 +190,40 @@ class HostMemory:
     )
 
 
-def _planned_or_refused(plan_with, **limits):
+def _plan_alike(plan_with, room: int):
+  """`plan_with`'s plan and refusal on every process of a multi-process run: each plans, then
+  all plan with the least host bytes of offloaded state any of them found and check that their
+  plans are the same; where one cannot, none goes on (`_agreed`)."""
+  e, refusal = _planned_or_refused(plan_with, host_memory=room)
+  least = int(_agreed([0 if e is None else e.host_bytes], refusal)[:, 0].min())
+  if least < e.host_bytes:  # another process has less room: the same plan everywhere
+    logger.info(
+      "offload: host_memory: another process has room for %s of offloaded state in host "
+      "memory, this one for %s; every process plans with the least",
+      units.format_bytes(least),
+      units.format_bytes(e.host_bytes),
+    )
+    note = (
+      f"another process has room for only {units.format_bytes(least)} of offloaded state in "
+      f"host memory, and every process plans the same: this one planned with host_limit={least}, "
+      "and "
+    )
+    e, refusal = _planned_or_refused(plan_with, note, host_memory=room, host_limit=least)
+  every = _agreed([0, 0] if e is None else [e.host_bytes, _fingerprint(e.plan)], refusal)
+  if (every != every[0]).any():
+    raise ValueError(
+      "offload: host_memory: the processes plan different groups or tiers of offloaded "
+      "state, and their update programs must be the same: give every process the same "
+      "shards of the params (as many local devices each) and the same window_bytes."
+    )
+  return e, refusal
+
+
+def _planned_or_refused(plan_with, *args, **limits):
   """`plan_with(**limits)`, any error it raises (an NVMe directory that cannot be created) kept
   as the refusal that `_agreed` raises, after the other processes learn of it."""
   try:
-    return plan_with(**limits)
+    return plan_with(*args, **limits)
   except Exception as e:  # raised again by _agreed, on this process, as it is
     return None, e
 
