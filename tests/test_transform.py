@@ -404,6 +404,34 @@ def test_non_separable_inner_is_refused(params):
     tx.init(params)
 
 
+def test_an_optimizer_built_alike_is_probed_once(params, monkeypatch):
+  # The separability check and the split probes compile programs at init (2-4 s for these
+  # params); their verdicts are kept for a transformation built alike (the same code and
+  # hyperparameters), not only for the same instance. Another one is probed; a refusal is not kept.
+  from optax_offload._src import separable
+
+  compile_probe, compiled = separable._compiled, []
+
+  def counted(program, *args):
+    compiled.append(program)
+    return compile_probe(program, *args)
+
+  monkeypatch.setattr(separable, "_compiled", counted)
+
+  def init(inner):
+    before = len(compiled)
+    oo.offload(inner, window_bytes=SMALL_WINDOW).init(params)
+    return len(compiled) - before
+
+  assert init(optax.adamw(1e-2, b1=0.8)) == 2  # the check, then the probes of both axes
+  assert init(optax.adamw(1e-2, b1=0.8)) == 0
+  assert init(optax.adamw(1e-2, b1=0.7)) == 2
+  for _ in range(2):
+    with pytest.raises(ValueError, match="not separable"):
+      init(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
+  assert init(optax.adamw(1e-2, b1=0.8)) == 0
+
+
 def test_state_that_does_not_split_per_parameter_is_refused(params):
   by_name = optax.GradientTransformation(
     init=lambda p: {"kernel_scale": jnp.ones_like(p["dense"]["kernel"])},

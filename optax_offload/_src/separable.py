@@ -10,7 +10,10 @@ different scales in the two groups, and compares.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import types
+from collections.abc import Hashable
 from collections.abc import Sequence
 
 import jax
@@ -104,7 +107,8 @@ def splittable(
 
   The probes of all the shapes asked for, along both axes, run in one compiled program, and their
   results are kept for the next call with the same `inner` (`offload` asks for the rows, then for
-  the columns; a transformation initialized again is not probed again).
+  the columns; a transformation initialized again, or one built alike (`transformation_key`), is
+  not probed again).
   """
   keys = []
   for aval, part, depth in zip(avals, per_leaf, dims):
@@ -152,15 +156,80 @@ def _compiled(program, *args):
   return program.lower(*args).compile(compiler_options=_PROBE_COMPILER_OPTIONS)
 
 
-_PROBED: list[tuple[object, dict]] = []
-"""(inner transformation, its probe results by key) of the last few transformations probed."""
+class _Same:
+  """Equal only to a wrapper of the same object (which it keeps alive)."""
+
+  def __init__(self, obj):
+    self.obj = obj
+
+  def __eq__(self, other):
+    return isinstance(other, _Same) and other.obj is self.obj
+
+  def __hash__(self):
+    return id(self.obj)
+
+
+_SMALL_ARRAY = 64
+"""Arrays of at most this many elements in a transformation's closures are compared by value."""
+
+
+def transformation_key(obj, _visiting: frozenset = frozenset()) -> Hashable:
+  """A key that two transformations built alike share: the same code with equal constants.
+
+  Functions compare by their code, defaults and closures, containers and small arrays by their
+  contents, numbers and strings by type and value, and anything else by identity; so two calls of
+  ``optax.adamw(1e-2)`` give equal keys, and transformations that could compute differently do
+  not. The probes' verdicts are kept by this key: tests, notebooks and restores build a fresh
+  instance of the same optimizer for each ``offload``.
+
+  Examples:
+    >>> import optax
+    >>> transformation_key(optax.adamw(1e-2)) == transformation_key(optax.adamw(1e-2))
+    True
+    >>> transformation_key(optax.adamw(1e-2)) == transformation_key(optax.adamw(2e-2))
+    False
+  """
+  if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, np.dtype)):
+    return (type(obj), repr(obj))
+  if isinstance(obj, type):
+    return _Same(obj)
+  if id(obj) in _visiting:  # a function that refers to itself
+    return _Same(obj)
+  visiting = _visiting | {id(obj)}
+
+  def key(x):
+    return transformation_key(x, visiting)
+
+  if isinstance(obj, (tuple, list)):
+    return (type(obj), tuple(key(x) for x in obj))
+  if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+    return (dict, tuple(sorted((k, key(v)) for k, v in obj.items())))
+  if isinstance(obj, types.FunctionType):
+    try:
+      cells = tuple(key(c.cell_contents) for c in obj.__closure__ or ())
+    except ValueError:  # an empty cell
+      return _Same(obj)
+    return (obj.__code__, _Same(obj.__globals__), key(obj.__defaults__),
+            key(obj.__kwdefaults__), cells)  # fmt: skip
+  if isinstance(obj, functools.partial):
+    return (functools.partial, key(obj.func), key(obj.args), key(obj.keywords))
+  if isinstance(obj, (np.ndarray, np.generic, jax.Array)) and not isinstance(obj, jax.core.Tracer):
+    if obj.size <= _SMALL_ARRAY:
+      value = np.asarray(obj)
+      return (type(obj), value.shape, value.dtype, value.tobytes())
+  return _Same(obj)
+
+
+_PROBED: list[tuple[Hashable, dict]] = []
+"""(key of an inner transformation, its probe results by shape) of the last few probed."""
 
 
 def _probe_results(inner) -> dict:
+  key = transformation_key(inner)
   for probed, results in _PROBED:
-    if probed is inner:
+    if probed == key:
       return results
-  _PROBED.insert(0, (inner, {}))
+  _PROBED.insert(0, (key, {}))
   del _PROBED[8:]
   return _PROBED[0][1]
 
@@ -308,7 +377,8 @@ def check_separable(
   paths: Sequence[str],
   avals: Sequence[jax.ShapeDtypeStruct],
 ) -> None:
-  """Raises ValueError when the inner transformation mixes leaves.
+  """Raises ValueError when the inner transformation mixes leaves. A pass is kept for the next
+  call with a transformation built alike (`transformation_key`) and the same tree and shapes.
 
   Args:
     inner: the inner transformation.
@@ -321,6 +391,13 @@ def check_separable(
   """
   n = layout.num_leaves
   if n < 2 or not all(jnp.issubdtype(a.dtype, jnp.floating) for a in avals):
+    return
+  checked = (
+    transformation_key(inner),
+    layout.params_treedef,
+    tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in avals),
+  )
+  if checked in _SEPARABLE:
     return
   rng = np.random.default_rng(0)
   groups = (tuple(range(0, n, 2)), tuple(range(1, n, 2)))
@@ -361,6 +438,13 @@ def check_separable(
   for joint, split in out:
     for i in range(n):
       _compare(paths[i], avals[i].dtype, joint[i], split[i])
+  _SEPARABLE[checked] = None
+  while len(_SEPARABLE) > 16:
+    del _SEPARABLE[next(iter(_SEPARABLE))]
+
+
+_SEPARABLE: dict[Hashable, None] = {}
+"""The last few (transformation key, tree structure, shapes) that `check_separable` passed."""
 
 
 class _NotSeparable(ValueError):
