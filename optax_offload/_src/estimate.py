@@ -644,15 +644,6 @@ def estimate(
     def base(c):
       return _estimate_tree(derived, master, c, nvme_options)
 
-  fused, why = host_budget.choose_update_in_backward(
-    update_in_backward, stack, update_on, host_memory, accumulate
-  )
-  if accumulate > 1 and not fused:
-    raise ValueError(
-      "accumulate > 1 is planned for a layer stack updated in the backward pass only "
-      "(value_and_update's host-memory accumulators: --weights-on host --layers N, without "
-      "--update-in-backward no), or plan one micro-batch per step."
-    )
   acc_dtype = parse_accumulator_dtype(accumulator_dtype)
 
   def finished(fused: bool, why: str | None) -> Estimate:
@@ -691,26 +682,9 @@ def estimate(
       accumulator_dtype=dtype_name(acc_dtype) if accumulators else None,
     )
 
-  e = finished(fused, why)
-  if (
-    update_in_backward is None
-    and stack
-    and not fused
-    and update_on == "device"
-    and host_memory is not None
-    and e.host_total_bytes > host_memory
-  ):  # the whole gradients fit beside the weights, not beside the NVMe buffers (or state) too
-    beside = "the NVMe buffers" if e.nvme else "the offloaded state"
-    in_backward = finished(
-      True,
-      "chosen: the stack's whole gradients do not fit in --host-memory "
-      f"{format_bytes(host_memory)} beside its weights and {beside} "
-      "(--update-in-backward no to refuse)",
-    )
-    device_short = [any(f.tier == "device" for f in x.shortfalls) for x in (e, in_backward)]
-    if in_backward.host_total_bytes <= host_memory and device_short[0] >= device_short[1]:
-      e = in_backward  # (its window beside the streamed layers: not where the device is short)
-  return e
+  return host_budget.plan_update_in_backward(
+    finished, update_in_backward, stack, update_on, host_memory, accumulate
+  )
 
 
 def _parse_master(master_dtype: Any) -> np.dtype | None:

@@ -281,10 +281,17 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
   return tuple(out)
 
 
-def choose_update_in_backward(
-  given: bool | None, stack: list, update_on: str, host_memory: int | None, accumulate: int
-) -> tuple[bool, str | None]:
-  """Whether the stack's update runs in the backward pass, and why."""
+def plan_update_in_backward(
+  plan: Callable[[bool, str | None], Estimate],
+  given: bool | None,
+  stack: list,
+  update_on: str,
+  host_memory: int | None,
+  accumulate: int,
+) -> Estimate:
+  """`plan(update_in_backward, why)` with the stack's update in the backward pass as `given`, or
+  where the planner chooses it: for accumulation, and where the stack's whole gradients do not fit
+  in `host_memory` (beside its weights alone, or beside what else the plan keeps there)."""
   weights = sum(nbytes for nbytes, _, _ in stack)
   if given is True:
     if not stack:
@@ -293,22 +300,40 @@ def choose_update_in_backward(
         "--weights-on host --layers N): value_and_update updates the stack that offloaded_scan "
         "streams."
       )
-    return True, "as asked (--update-in-backward yes)"
+    return plan(True, "as asked (--update-in-backward yes)")
+  if accumulate > 1 and (given is False or not stack or update_on != "device"):
+    raise ValueError(
+      "accumulate > 1 is planned for a layer stack updated in the backward pass only "
+      "(value_and_update's host-memory accumulators: --weights-on host --layers N, without "
+      "--update-in-backward no), or plan one micro-batch per step."
+    )
   if given is False and stack:
-    return False, "as asked (--update-in-backward no)"
+    return plan(False, "as asked (--update-in-backward no)")
   if given is False or not stack or update_on != "device":
-    return False, None
+    return plan(False, None)
+  refuse = "(--update-in-backward no to refuse)"
   if accumulate > 1:
-    return True, (
-      f"chosen: accumulate={accumulate} accumulates the stack's gradients in its backward passes "
-      "(--update-in-backward no to refuse)"
-    )
+    why = f"accumulate={accumulate} accumulates the stack's gradients in its backward passes"
+    return plan(True, f"chosen: {why} {refuse}")
   if host_memory is not None and 2 * weights > host_memory:
-    return True, (
-      f"chosen: the stack's weights and gradients ({format_bytes(2 * weights)}) do not fit in "
-      f"--host-memory {format_bytes(host_memory)} (--update-in-backward no to refuse)"
+    why = (
+      f"the stack's weights and gradients ({format_bytes(2 * weights)}) do not fit in "
+      f"--host-memory {format_bytes(host_memory)}"
     )
-  return False, None
+    return plan(True, f"chosen: {why} {refuse}")
+  e = plan(False, None)
+  if host_memory is not None and e.host_total_bytes > host_memory:
+    # The whole gradients fit beside the weights, not beside the NVMe buffers (or state) too.
+    beside = "the NVMe buffers" if e.nvme else "the offloaded state"
+    why = (
+      f"the stack's whole gradients do not fit in --host-memory {format_bytes(host_memory)} "
+      f"beside its weights and {beside}"
+    )
+    in_backward = plan(True, f"chosen: {why} {refuse}")
+    device_short = [any(f.tier == "device" for f in x.shortfalls) for x in (e, in_backward)]
+    if in_backward.host_total_bytes <= host_memory and device_short[0] >= device_short[1]:
+      return in_backward  # (its window beside the streamed layers: not where the device is short)
+  return e
 
 
 def with_weights_on_host(
