@@ -10,6 +10,7 @@ different scales in the two groups, and compares.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import types
@@ -169,18 +170,24 @@ class _Same:
     return id(self.obj)
 
 
+class _Unkeyable(Exception):
+  pass
+
+
 _SMALL_ARRAY = 64
 """Arrays of at most this many elements in a transformation's closures are compared by value."""
 
 
-def transformation_key(obj, _visiting: frozenset = frozenset()) -> Hashable:
-  """A key that two transformations built alike share: the same code with equal constants.
+def transformation_key(obj) -> Hashable | None:
+  """A key that two transformations built alike share: the same code with equal constants; None
+  where it cannot tell.
 
-  Functions compare by their code, defaults and closures, containers and small arrays by their
-  contents, numbers and strings by type and value, and anything else by identity; so two calls of
-  ``optax.adamw(1e-2)`` give equal keys, and transformations that could compute differently do
-  not. The probes' verdicts are kept by this key: tests, notebooks and restores build a fresh
-  instance of the same optimizer for each ``offload``.
+  Functions compare by their code, defaults, closures and the globals their code names; tuples,
+  lists, str-keyed dicts, numbers, strings and small arrays by value; modules, classes and builtin
+  functions by identity, as are large JAX arrays (immutable). Anything else (an object that could
+  change, a large numpy array) gives None, and so does a key that fails to compute. The probes'
+  verdicts are kept by this key (by the instance where it is None): tests, notebooks and restores
+  build a fresh instance of the same optimizer for each ``offload``.
 
   Examples:
     >>> import optax
@@ -189,35 +196,74 @@ def transformation_key(obj, _visiting: frozenset = frozenset()) -> Hashable:
     >>> transformation_key(optax.adamw(1e-2)) == transformation_key(optax.adamw(2e-2))
     False
   """
-  if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, np.dtype)):
-    return (type(obj), repr(obj))
-  if isinstance(obj, type):
-    return _Same(obj)
-  if id(obj) in _visiting:  # a function that refers to itself
-    return _Same(obj)
-  visiting = _visiting | {id(obj)}
+  try:
+    return _Keys().of(obj)
+  except Exception:  # _Unkeyable, RecursionError, a value whose conversion fails, ...
+    return None
 
-  def key(x):
-    return transformation_key(x, visiting)
 
-  if isinstance(obj, (tuple, list)):
-    return (type(obj), tuple(key(x) for x in obj))
-  if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
-    return (dict, tuple(sorted((k, key(v)) for k, v in obj.items())))
-  if isinstance(obj, types.FunctionType):
-    try:
-      cells = tuple(key(c.cell_contents) for c in obj.__closure__ or ())
-    except ValueError:  # an empty cell
+class _Keys:
+  """One `transformation_key` computation: keys of the objects met so far, by id."""
+
+  def __init__(self):
+    self.known: dict[int, Hashable] = {}
+    self.alive: list = []  # the objects of `known` (their ids stay theirs)
+
+  def of(self, obj) -> Hashable:
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+      return (type(obj), repr(obj))
+    if isinstance(obj, (type, types.ModuleType, enum.Enum, np.dtype, np.ufunc)) or (
+      isinstance(obj, types.BuiltinFunctionType)
+      and isinstance(getattr(obj, "__self__", None), (types.NoneType, types.ModuleType))
+    ):
       return _Same(obj)
-    return (obj.__code__, _Same(obj.__globals__), key(obj.__defaults__),
-            key(obj.__kwdefaults__), cells)  # fmt: skip
-  if isinstance(obj, functools.partial):
-    return (functools.partial, key(obj.func), key(obj.args), key(obj.keywords))
-  if isinstance(obj, (np.ndarray, np.generic, jax.Array)) and not isinstance(obj, jax.core.Tracer):
-    if obj.size <= _SMALL_ARRAY:
+    if id(obj) in self.known:
+      # None: met again while its key is computed (functions of a module that call each other);
+      # the enclosing key holds what it is made of.
+      return self.known[id(obj)] or ("cycle", _Same(obj))
+    self.known[id(obj)] = None
+    self.alive.append(obj)
+    key = self._compound(obj)
+    self.known[id(obj)] = key
+    return key
+
+  def _compound(self, obj) -> Hashable:
+    kind = type(obj)
+    if kind in (tuple, list) or (isinstance(obj, tuple) and hasattr(kind, "_fields")):
+      return (_Same(kind), tuple(self.of(x) for x in obj))
+    if kind is dict and all(type(k) is str for k in obj):
+      return (dict, tuple(sorted((k, self.of(v)) for k, v in obj.items())))
+    if kind is types.FunctionType:
+      code = obj.__code__
+      named = {n: obj.__globals__[n] for n in _names(code) if n in obj.__globals__}
+      return (
+        code,
+        tuple(sorted((n, self.of(v)) for n, v in named.items())),
+        self.of(obj.__defaults__),
+        self.of(obj.__kwdefaults__),
+        tuple(self.of(c.cell_contents) for c in obj.__closure__ or ()),
+      )
+    if kind is functools.partial:
+      return (kind, self.of(obj.func), self.of(obj.args), self.of(obj.keywords))
+    if kind is np.ndarray or isinstance(obj, np.generic):
+      if obj.dtype.hasobject or (kind is np.ndarray and obj.size > _SMALL_ARRAY):
+        raise _Unkeyable(obj)  # mutable, or holds objects
+      return (_Same(kind), obj.shape, obj.dtype, obj.tobytes())
+    if isinstance(obj, jax.Array) and not isinstance(obj, jax.core.Tracer):
+      if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.extended) or not obj.is_fully_addressable:
+        raise _Unkeyable(obj)
+      if obj.size > _SMALL_ARRAY:
+        return _Same(obj)
       value = np.asarray(obj)
-      return (type(obj), value.shape, value.dtype, value.tobytes())
-  return _Same(obj)
+      return (jax.Array, value.shape, value.dtype, obj.weak_type, value.tobytes())
+    raise _Unkeyable(obj)
+
+
+@functools.lru_cache(maxsize=4096)
+def _names(code: types.CodeType) -> frozenset[str]:
+  """The global names `code` and the functions defined in it may read."""
+  nested = (c for c in code.co_consts if isinstance(c, types.CodeType))
+  return frozenset(code.co_names).union(*map(_names, nested))
 
 
 _PROBED: list[tuple[Hashable, dict]] = []
@@ -226,6 +272,8 @@ _PROBED: list[tuple[Hashable, dict]] = []
 
 def _probe_results(inner) -> dict:
   key = transformation_key(inner)
+  if key is None:
+    key = _Same(inner)
   for probed, results in _PROBED:
     if probed == key:
       return results
@@ -378,7 +426,8 @@ def check_separable(
   avals: Sequence[jax.ShapeDtypeStruct],
 ) -> None:
   """Raises ValueError when the inner transformation mixes leaves. A pass is kept for the next
-  call with a transformation built alike (`transformation_key`) and the same tree and shapes.
+  call with a transformation built alike (an equal `transformation_key`, not None) and the same
+  tree and shapes.
 
   Args:
     inner: the inner transformation.
@@ -392,12 +441,9 @@ def check_separable(
   n = layout.num_leaves
   if n < 2 or not all(jnp.issubdtype(a.dtype, jnp.floating) for a in avals):
     return
-  checked = (
-    transformation_key(inner),
-    layout.params_treedef,
-    tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in avals),
-  )
-  if checked in _SEPARABLE:
+  key = transformation_key(inner)
+  checked = (key, layout.params_treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in avals))
+  if key is not None and checked in _SEPARABLE:
     return
   rng = np.random.default_rng(0)
   groups = (tuple(range(0, n, 2)), tuple(range(1, n, 2)))
@@ -438,9 +484,10 @@ def check_separable(
   for joint, split in out:
     for i in range(n):
       _compare(paths[i], avals[i].dtype, joint[i], split[i])
-  _SEPARABLE[checked] = None
-  while len(_SEPARABLE) > 16:
-    del _SEPARABLE[next(iter(_SEPARABLE))]
+  if key is not None:
+    _SEPARABLE[checked] = None
+    while len(_SEPARABLE) > 16:
+      _SEPARABLE.pop(next(iter(_SEPARABLE)), None)
 
 
 _SEPARABLE: dict[Hashable, None] = {}
