@@ -6,6 +6,7 @@ import platform
 import shutil
 import tempfile
 import time
+import warnings
 import zlib
 
 # Four CPU devices for the sharding tests; must be set before jax initialises its backend. The CPU
@@ -20,7 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # compile options, XLA flags and jaxlib version, and never caches programs with host callbacks.
 # A cache directory set by the caller is used as it is and never tidied;
 # `JAX_COMPILATION_CACHE_DIR=$(mktemp -d) make test` runs cold. Without an absolute cache
-# directory (no HOME), the cache lives for the session in a temporary directory.
+# directory that can be written (no HOME), the cache lives for the session in a temporary one.
 CACHE_BOUND = 2 * 2**30
 """Bytes the suite's own cache may reach; a run that finds more deletes the least recently used
 entries down to half of it."""
@@ -36,11 +37,16 @@ def _cache_directory() -> str | None:
   # instructions of the CPU that compiled them, and JAX never replaces an entry it cannot load.
   try:
     with open("/proc/cpuinfo") as f:
-      cpu = next((line for line in f if line.startswith("flags")), "")
+      cpu = "".join(sorted({ln for ln in f if ln.startswith(("flags", "Features", "CPU part"))}))
   except OSError:
     cpu = platform.processor()
   kind = f"{platform.machine()}-{zlib.crc32(cpu.encode()):08x}"
-  return os.path.join(base, "optax_offload", "jax_test_compilation_cache", kind)
+  directory = os.path.join(base, "optax_offload", "jax_test_compilation_cache", kind)
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError:
+    return None
+  return directory if os.access(directory, os.W_OK) else None
 
 
 OWN_CACHE = None
@@ -75,8 +81,8 @@ def pytest_configure(config):
   if OWN_CACHE is not None and not hasattr(config, "workerinput"):  # pytest-xdist's controller
     try:
       _tidy_cache(OWN_CACHE, CACHE_BOUND)
-    except OSError:  # a best effort: another run may tidy or write it at the same time
-      pass
+    except Exception as e:  # a best effort: another run may tidy or write it at the same time
+      warnings.warn(f"the tests' compilation cache {OWN_CACHE} was not tidied: {e!r}", stacklevel=1)
 
 
 def _tidy_cache(directory: str, bound: int) -> None:
@@ -86,6 +92,7 @@ def _tidy_cache(directory: str, bound: int) -> None:
   bound / 2 where the entries pass `bound`."""
   from jax._src import compilation_cache  # private: how JAX compresses its entries
 
+  decompress = compilation_cache.decompress_executable  # (an AttributeError: nothing deleted)
   stamp, now = os.path.join(directory, ".tidied"), time.time()
   try:
     since = os.stat(stamp).st_mtime
@@ -100,7 +107,7 @@ def _tidy_cache(directory: str, bound: int) -> None:
       if st.st_mtime >= since and entry.name.endswith("-cache"):
         with open(entry.path, "rb") as f:
           try:
-            compilation_cache.decompress_executable(f.read())
+            decompress(f.read())
           except Exception:
             os.remove(entry.path)
             continue

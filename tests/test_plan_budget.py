@@ -523,3 +523,16 @@ def test_a_count_without_shapes_bounds_the_callbacks_copy(moments, window, kept)
   bare = host_budget.fused_nvme_block(dataclasses.replace(e, plan=None), stack, on_device)
   pair = 2 * -(-e.nvme_bytes // layers)
   assert from_shapes <= bare <= pair, (from_shapes, bare, pair)
+
+
+def test_update_in_backward_given_as_a_numpy_bool_or_an_int_is_taken_as_given():
+  # Where the planner would choose the update in the backward pass (the whole gradients do not fit
+  # beside the state), a "no" given as numpy's False or 0 is a no, as False is.
+  import numpy as np
+
+  kwargs = dict(weights_on="host", layers=16, host_memory="15GB")
+  assert oo.estimate("1B", **kwargs).update_in_backward
+  for no in (False, np.False_, 0):
+    e = oo.estimate("1B", update_in_backward=no, **kwargs)
+    assert e.update_in_backward is False and "as asked" in e.update_in_backward_reason, repr(no)
+  assert oo.estimate("1B", update_in_backward=np.True_, **kwargs).update_in_backward is True

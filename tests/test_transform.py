@@ -404,61 +404,6 @@ def test_non_separable_inner_is_refused(params):
     tx.init(params)
 
 
-def test_an_optimizer_built_alike_is_probed_once(params, monkeypatch):
-  # The separability check and the split probes compile programs at init (2-4 s for these
-  # params); their verdicts are kept for a transformation built alike (the same code and
-  # hyperparameters), not only for the same instance. Another one is probed; a refusal is not kept.
-  from optax_offload._src import separable
-
-  compile_probe, compiled = separable._compiled, []
-
-  def counted(program, *args):
-    compiled.append(program)
-    return compile_probe(program, *args)
-
-  monkeypatch.setattr(separable, "_compiled", counted)
-
-  def init(inner):
-    before = len(compiled)
-    oo.offload(inner, window_bytes=SMALL_WINDOW).init(params)
-    return len(compiled) - before
-
-  assert init(optax.adamw(1e-2, b1=0.8)) == 2  # the check, then the probes of both axes
-  assert init(optax.adamw(1e-2, b1=0.8)) == 0
-  assert init(optax.adamw(1e-2, b1=0.7)) == 2
-  for _ in range(2):
-    with pytest.raises(ValueError, match="not separable"):
-      init(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
-  assert init(optax.adamw(1e-2, b1=0.8)) == 0
-
-
-def test_transformation_keys_tell_apart_what_could_compute_differently():
-  # The verdicts above are shared by an equal key: equal only where the code, its closures and
-  # the globals it names are equal; None (the instance's own verdicts) for objects that could
-  # change unseen, and for what the key cannot compute.
-  import types
-
-  from optax_offload._src.separable import transformation_key as key
-
-  assert key(optax.adamw(1e-2)) == key(optax.adamw(1e-2)) is not None
-  assert key(optax.adamw(1e-2)) != key(optax.adamw(1e-2, weight_decay=0.0))
-  assert key(optax.chain(optax.clip(1.0), optax.sgd(0.1, momentum=0.9))) is not None
-  module = {"CLIP": False}  # a notebook's global, read when the update is traced
-  exec("def update(u, s, p=None):\n  return (-u if CLIP else u), s", module)
-  before = key(module["update"])
-  module["CLIP"] = True
-  assert before != key(module["update"]) is not None
-  weak, strong = jnp.asarray(1e-2), jnp.asarray(1e-2, jnp.float32)
-  assert key(lambda u: u * weak) != key(lambda u: u * strong)
-  config = types.SimpleNamespace(scale=2.0)
-  for unseen in (config, np.zeros(100), np.array([1.0], dtype=object), jax.random.key(0)):
-    assert key(lambda u, x=unseen: u * x) is None, unseen
-  nested = optax.adam(1e-2)
-  for _ in range(20):  # each wrapper's init and update both close over the one inside
-    nested = optax.masked(nested, lambda p: True)
-  assert key(nested) is not None
-
-
 def test_state_that_does_not_split_per_parameter_is_refused(params):
   by_name = optax.GradientTransformation(
     init=lambda p: {"kernel_scale": jnp.ones_like(p["dense"]["kernel"])},

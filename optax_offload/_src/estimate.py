@@ -558,6 +558,8 @@ def estimate(
     raise ValueError(
       f"update_in_backward must be True, False or None (decide), got {update_in_backward!r}."
     )
+  if update_in_backward is not None:  # 0, 1, numpy's bools: as the bools they equal
+    update_in_backward = bool(update_in_backward)
   if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
     raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
   card = parse_bytes(device_memory, "device_memory")
@@ -644,9 +646,8 @@ def estimate(
     def base(c):
       return _estimate_tree(derived, master, c, nvme_options)
 
-  acc_dtype = parse_accumulator_dtype(accumulator_dtype)
-
   def finished(fused: bool, why: str | None) -> Estimate:
+    acc_dtype = parse_accumulator_dtype(accumulator_dtype)
     accumulators = host_budget.accumulator_bytes(stack, fused, accumulate, acc_dtype.itemsize)
 
     def build(state_limit):

@@ -291,7 +291,11 @@ def plan_update_in_backward(
 ) -> Estimate:
   """`plan(update_in_backward, why)` with the stack's update in the backward pass as `given`, or
   where the planner chooses it: for accumulation, and where the stack's whole gradients do not fit
-  in `host_memory` (beside its weights alone, or beside what else the plan keeps there)."""
+  in `host_memory` (beside its weights alone, or beside what else the plan keeps there).
+
+  Raises:
+    ValueError: update_in_backward asked for without a stack, or accumulation without it.
+  """
   weights = sum(nbytes for nbytes, _, _ in stack)
   if given is True:
     if not stack:

@@ -10,11 +10,7 @@ different scales in the two groups, and compares.
 from __future__ import annotations
 
 import dataclasses
-import enum
-import functools
 import logging
-import types
-from collections.abc import Hashable
 from collections.abc import Sequence
 
 import jax
@@ -108,8 +104,7 @@ def splittable(
 
   The probes of all the shapes asked for, along both axes, run in one compiled program, and their
   results are kept for the next call with the same `inner` (`offload` asks for the rows, then for
-  the columns; a transformation initialized again, or one built alike (`transformation_key`), is
-  not probed again).
+  the columns; a transformation initialized again is not probed again).
   """
   keys = []
   for aval, part, depth in zip(avals, per_leaf, dims):
@@ -157,127 +152,15 @@ def _compiled(program, *args):
   return program.lower(*args).compile(compiler_options=_PROBE_COMPILER_OPTIONS)
 
 
-class _Same:
-  """Equal only to a wrapper of the same object (which it keeps alive)."""
-
-  def __init__(self, obj):
-    self.obj = obj
-
-  def __eq__(self, other):
-    return isinstance(other, _Same) and other.obj is self.obj
-
-  def __hash__(self):
-    return id(self.obj)
-
-
-class _Unkeyable(Exception):
-  pass
-
-
-_SMALL_ARRAY = 64
-"""Arrays of at most this many elements in a transformation's closures are compared by value."""
-
-
-def transformation_key(obj) -> Hashable | None:
-  """A key that two transformations built alike share: the same code with equal constants; None
-  where it cannot tell.
-
-  Functions compare by their code, defaults, closures and the globals their code names; tuples,
-  lists, str-keyed dicts, numbers, strings and small arrays by value; modules, classes and builtin
-  functions by identity, as are large JAX arrays (immutable). Anything else (an object that could
-  change, a large numpy array) gives None, and so does a key that fails to compute. The probes'
-  verdicts are kept by this key (by the instance where it is None): tests, notebooks and restores
-  build a fresh instance of the same optimizer for each ``offload``.
-
-  Examples:
-    >>> import optax
-    >>> transformation_key(optax.adamw(1e-2)) == transformation_key(optax.adamw(1e-2))
-    True
-    >>> transformation_key(optax.adamw(1e-2)) == transformation_key(optax.adamw(2e-2))
-    False
-  """
-  try:
-    return _Keys().of(obj)
-  except Exception:  # _Unkeyable, RecursionError, a value whose conversion fails, ...
-    return None
-
-
-class _Keys:
-  """One `transformation_key` computation: keys of the objects met so far, by id."""
-
-  def __init__(self):
-    self.known: dict[int, Hashable] = {}
-    self.alive: list = []  # the objects of `known` (their ids stay theirs)
-
-  def of(self, obj) -> Hashable:
-    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
-      return (type(obj), repr(obj))
-    if isinstance(obj, (type, types.ModuleType, enum.Enum, np.dtype, np.ufunc)) or (
-      isinstance(obj, types.BuiltinFunctionType)
-      and isinstance(getattr(obj, "__self__", None), (types.NoneType, types.ModuleType))
-    ):
-      return _Same(obj)
-    if id(obj) in self.known:
-      # None: met again while its key is computed (functions of a module that call each other);
-      # the enclosing key holds what it is made of.
-      return self.known[id(obj)] or ("cycle", _Same(obj))
-    self.known[id(obj)] = None
-    self.alive.append(obj)
-    key = self._compound(obj)
-    self.known[id(obj)] = key
-    return key
-
-  def _compound(self, obj) -> Hashable:
-    kind = type(obj)
-    if kind in (tuple, list) or (isinstance(obj, tuple) and hasattr(kind, "_fields")):
-      return (_Same(kind), tuple(self.of(x) for x in obj))
-    if kind is dict and all(type(k) is str for k in obj):
-      return (dict, tuple(sorted((k, self.of(v)) for k, v in obj.items())))
-    if kind is types.FunctionType:
-      code = obj.__code__
-      named = {n: obj.__globals__[n] for n in _names(code) if n in obj.__globals__}
-      return (
-        code,
-        tuple(sorted((n, self.of(v)) for n, v in named.items())),
-        self.of(obj.__defaults__),
-        self.of(obj.__kwdefaults__),
-        tuple(self.of(c.cell_contents) for c in obj.__closure__ or ()),
-      )
-    if kind is functools.partial:
-      return (kind, self.of(obj.func), self.of(obj.args), self.of(obj.keywords))
-    if kind is np.ndarray or isinstance(obj, np.generic):
-      if obj.dtype.hasobject or (kind is np.ndarray and obj.size > _SMALL_ARRAY):
-        raise _Unkeyable(obj)  # mutable, or holds objects
-      return (_Same(kind), obj.shape, obj.dtype, obj.tobytes())
-    if isinstance(obj, jax.Array) and not isinstance(obj, jax.core.Tracer):
-      if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.extended) or not obj.is_fully_addressable:
-        raise _Unkeyable(obj)
-      if obj.size > _SMALL_ARRAY:
-        return _Same(obj)
-      value = np.asarray(obj)
-      return (jax.Array, value.shape, value.dtype, obj.weak_type, value.tobytes())
-    raise _Unkeyable(obj)
-
-
-@functools.lru_cache(maxsize=4096)
-def _names(code: types.CodeType) -> frozenset[str]:
-  """The global names `code` and the functions defined in it may read."""
-  nested = (c for c in code.co_consts if isinstance(c, types.CodeType))
-  return frozenset(code.co_names).union(*map(_names, nested))
-
-
-_PROBED: list[tuple[Hashable, dict]] = []
-"""(key of an inner transformation, its probe results by shape) of the last few probed."""
+_PROBED: list[tuple[object, dict]] = []
+"""(inner transformation, its probe results by key) of the last few transformations probed."""
 
 
 def _probe_results(inner) -> dict:
-  key = transformation_key(inner)
-  if key is None:
-    key = _Same(inner)
   for probed, results in _PROBED:
-    if probed == key:
+    if probed is inner:
       return results
-  _PROBED.insert(0, (key, {}))
+  _PROBED.insert(0, (inner, {}))
   del _PROBED[8:]
   return _PROBED[0][1]
 
@@ -425,9 +308,7 @@ def check_separable(
   paths: Sequence[str],
   avals: Sequence[jax.ShapeDtypeStruct],
 ) -> None:
-  """Raises ValueError when the inner transformation mixes leaves. A pass is kept for the next
-  call with a transformation built alike (an equal `transformation_key`, not None) and the same
-  tree and shapes.
+  """Raises ValueError when the inner transformation mixes leaves.
 
   Args:
     inner: the inner transformation.
@@ -440,10 +321,6 @@ def check_separable(
   """
   n = layout.num_leaves
   if n < 2 or not all(jnp.issubdtype(a.dtype, jnp.floating) for a in avals):
-    return
-  key = transformation_key(inner)
-  checked = (key, layout.params_treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in avals))
-  if key is not None and checked in _SEPARABLE:
     return
   rng = np.random.default_rng(0)
   groups = (tuple(range(0, n, 2)), tuple(range(1, n, 2)))
@@ -484,14 +361,6 @@ def check_separable(
   for joint, split in out:
     for i in range(n):
       _compare(paths[i], avals[i].dtype, joint[i], split[i])
-  if key is not None:
-    _SEPARABLE[checked] = None
-    while len(_SEPARABLE) > 16:
-      _SEPARABLE.pop(next(iter(_SEPARABLE)), None)
-
-
-_SEPARABLE: dict[Hashable, None] = {}
-"""The last few (transformation key, tree structure, shapes) that `check_separable` passed."""
 
 
 class _NotSeparable(ValueError):
