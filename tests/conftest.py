@@ -4,9 +4,9 @@ import atexit
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
-import warnings
 import zlib
 
 # Four CPU devices for the sharding tests; must be set before jax initialises its backend. The CPU
@@ -46,7 +46,7 @@ def _cache_directory() -> str | None:
     os.makedirs(directory, exist_ok=True)
   except OSError:
     return None
-  return directory if os.access(directory, os.W_OK) else None
+  return directory if os.access(directory, os.W_OK | os.X_OK) else None
 
 
 OWN_CACHE = None
@@ -82,7 +82,7 @@ def pytest_configure(config):
     try:
       _tidy_cache(OWN_CACHE, CACHE_BOUND)
     except Exception as e:  # a best effort: another run may tidy or write it at the same time
-      warnings.warn(f"the tests' compilation cache {OWN_CACHE} was not tidied: {e!r}", stacklevel=1)
+      print(f"the tests' compilation cache {OWN_CACHE} was not tidied: {e!r}", file=sys.stderr)
 
 
 def _tidy_cache(directory: str, bound: int) -> None:

@@ -527,7 +527,8 @@ def test_a_count_without_shapes_bounds_the_callbacks_copy(moments, window, kept)
 
 def test_update_in_backward_given_as_a_numpy_bool_or_an_int_is_taken_as_given():
   # Where the planner would choose the update in the backward pass (the whole gradients do not fit
-  # beside the state), a "no" given as numpy's False or 0 is a no, as False is.
+  # beside the state), a "no" given as numpy's False or 0 is a no, as False is; and a "yes" given
+  # as numpy's True or 1 a yes where it would not, as True is.
   import numpy as np
 
   kwargs = dict(weights_on="host", layers=16, host_memory="15GB")
@@ -535,4 +536,10 @@ def test_update_in_backward_given_as_a_numpy_bool_or_an_int_is_taken_as_given():
   for no in (False, np.False_, 0):
     e = oo.estimate("1B", update_in_backward=no, **kwargs)
     assert e.update_in_backward is False and "as asked" in e.update_in_backward_reason, repr(no)
-  assert oo.estimate("1B", update_in_backward=np.True_, **kwargs).update_in_backward is True
+  roomy = dict(kwargs, host_memory="100GB")  # where the planner says no
+  assert not oo.estimate("1B", **roomy).update_in_backward
+  for yes in (True, np.True_, 1):
+    e = oo.estimate("1B", update_in_backward=yes, **roomy)
+    assert e.update_in_backward is True and "as asked" in e.update_in_backward_reason, repr(yes)
+    with pytest.raises(ValueError, match="update_in_backward needs a layer stack"):
+      oo.estimate("1B", update_in_backward=yes)
