@@ -14,8 +14,8 @@ import zlib
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A persistent compilation cache, kept between runs in the user's cache directory (`make test`
-# twice: the second run compiles little; 27 min cold and 11.5 min warm on this project's 2-core
-# machine), which the child processes the tests start inherit through the environment: tests and
+# twice: the second run compiles little; 27 min cold and 12-19 min warm on this project's shared
+# 2-core machine), which the child processes the tests start inherit through the environment: tests and
 # children compile many programs of the same shapes (each child's `tx.init` alone runs ~190 small
 # eager compiles). Every program, however quick to compile, is cached; JAX keys each by its HLO,
 # compile options, XLA flags and jaxlib version, and never caches programs with host callbacks.
