@@ -15,11 +15,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A persistent compilation cache, kept between runs in the user's cache directory (`make test`
 # twice: the second run compiles little; 27 min cold and 12-19 min warm on this project's shared
-# 2-core machine), which the child processes the tests start inherit through the environment: tests and
-# children compile many programs of the same shapes (each child's `tx.init` alone runs ~190 small
-# eager compiles). Every program, however quick to compile, is cached; JAX keys each by its HLO,
-# compile options, XLA flags and jaxlib version, and never caches programs with host callbacks.
-# A cache directory set by the caller is used as it is and never tidied;
+# 2-core machine), which the child processes the tests start inherit through the environment:
+# tests and children compile many programs of the same shapes (each child's `tx.init` alone runs
+# ~190 small eager compiles). Every program, however quick to compile, is cached; JAX keys each by
+# its HLO, compile options, XLA flags and jaxlib version, and never caches programs with host
+# callbacks. A cache directory set by the caller is used as it is and never tidied;
 # `JAX_COMPILATION_CACHE_DIR=$(mktemp -d) make test` runs cold. Without an absolute cache
 # directory that can be written (no HOME), the cache lives for the session in a temporary one.
 CACHE_BOUND = 2 * 2**30

@@ -305,16 +305,15 @@ def plan_update_in_backward(
         "streams."
       )
     return plan(True, "as asked (--update-in-backward yes)")
-  if accumulate > 1 and (given is False or not stack or update_on != "device"):
+  decides = given is None and stack and update_on == "device"
+  if accumulate > 1 and not decides:
     raise ValueError(
       "accumulate > 1 is planned for a layer stack updated in the backward pass only "
       "(value_and_update's host-memory accumulators: --weights-on host --layers N, without "
       "--update-in-backward no), or plan one micro-batch per step."
     )
-  if given is False and stack:
-    return plan(False, "as asked (--update-in-backward no)")
-  if given is False or not stack or update_on != "device":
-    return plan(False, None)
+  if not decides:
+    return plan(False, "as asked (--update-in-backward no)" if given is False and stack else None)
   refuse = "(--update-in-backward no to refuse)"
   if accumulate > 1:
     why = f"accumulate={accumulate} accumulates the stack's gradients in its backward passes"
