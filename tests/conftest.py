@@ -19,7 +19,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # tests and children compile many programs of the same shapes (each child's `tx.init` alone runs
 # ~190 small eager compiles). Every program, however quick to compile, is cached; JAX keys each by
 # its HLO, compile options, XLA flags and jaxlib version, and never caches programs with host
-# callbacks. A cache directory set by the caller is used as it is and never tidied;
+# callbacks. The GPU programs compiled without a GPU are kept there too (`program_cache`, keyed
+# alike; with host callbacks too: nothing is run). A cache directory set by the caller is used
+# as it is and never tidied;
 # `JAX_COMPILATION_CACHE_DIR=$(mktemp -d) make test` runs cold. Without an absolute cache
 # directory that can be written (no HOME), the cache lives for the session in a temporary one.
 CACHE_BOUND = 2 * 2**30

@@ -111,6 +111,52 @@ def test_harness_reports_device_and_host_bytes_and_copies():
   assert program.compile_seconds > 0
 
 
+def test_a_program_compiled_before_is_read_from_the_cache_dir(tmp_path, monkeypatch):
+  """With JAX's compilation cache on, a second compile of the same lowered module, target and
+  options is read back as compiled; anything else the compile reads compiles afresh; an entry
+  that cannot be read is compiled and written again."""
+  from optax_offload._src import program_cache
+
+  monkeypatch.setattr(program_cache, "directory", lambda: str(tmp_path))
+  x = jax.ShapeDtypeStruct((512, 256), jnp.float32)
+
+  def compiled(fn=lambda x: jnp.sin(x) * 2, **kwargs):
+    return gpu_program.compile_for_gpu(fn, x, **kwargs)
+
+  first = compiled()
+  (entry,) = tmp_path.glob(f"optax_offload_gpu-*{program_cache.SUFFIX}")
+  again = compiled()
+  assert (first.cached, again.cached) == (False, True)
+  assert (again.memory, again.hlo, again.compile_seconds) == (
+    first.memory,
+    first.hlo,
+    first.compile_seconds,
+  )
+  assert "cached" in repr(again) and "cached" not in repr(first)
+
+  def deeper():  # another caller: another Python traceback, the same program
+    return compiled()
+
+  assert deeper().cached
+
+  def scoped(x):  # the same operations, other op_names in the HLO
+    with jax.named_scope("scaled"):
+      return jnp.sin(x) * 2
+
+  other_names = compiled(scoped)
+  assert not other_names.cached and "scaled" in other_names.hlo and "scaled" not in first.hlo
+  # Another function, target or XLA option: another program, compiled.
+  assert not compiled(lambda x: jnp.cos(x) * 2).cached
+  assert not compiled(target="h100_24gb").cached
+  assert not compiled(xla_flags={"xla_gpu_enable_latency_hiding_scheduler": False}).cached
+  assert len(list(tmp_path.glob(f"*{program_cache.SUFFIX}"))) == 5
+  # A truncated entry (a process killed while it wrote, or a full disk) is compiled again.
+  entry.write_bytes(entry.read_bytes()[:100])
+  rewritten = compiled()
+  assert not rewritten.cached and rewritten.hlo == first.hlo
+  assert compiled().cached
+
+
 def test_unknown_target_is_refused():
   with pytest.raises(ValueError, match="h100_80gb"):
     gpu_program.target_config("a100")

@@ -65,6 +65,9 @@ jax.experimental.topologies           Same: ``get_topology_desc(topology_name: s
 jax.stages.Traced.lower (gpu_prog.)   Same: ``lower(self, *, lowering_platforms: tuple[str, ...]
                                       | None = None, _private_parameters=None)``.
 jax.stages.Lowered.compiler_ir        Same: ``compiler_ir(self, dialect: str | None = None)``.
+jax.stages.Lowered.as_text            Same: ``as_text(self, dialect=None, *, debug_info=False)``;
+(gpu_program: program_cache's key)    with debug info, MLIR's locations as ``#locN = loc(...)``
+                                      lines (names, ``callsite(...)``, ``"file":line:col``).
 CUDA plugin (`check_gpu_compile_      ``jax_plugins.xla_cuda12`` (jax-cuda12-plugin/-pjrt ==
 support`)                             jax's version); 0.12 also ships a cuda13 plugin.
 jax._src.core.Primitive,              Private (`per_platform_callback`, for the NVMe tier's

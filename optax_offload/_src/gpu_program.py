@@ -38,6 +38,7 @@ from typing import Any
 import jax
 
 from optax_offload._src import _compat
+from optax_offload._src import program_cache
 from optax_offload._src import stream
 from optax_offload._src import units
 
@@ -289,13 +290,14 @@ class GpuProgram:
   target: str
   memory: DeviceMemory
   hlo: str  # the scheduled module's text (megabytes for a model: not in the repr)
-  compile_seconds: float
+  compile_seconds: float  # XLA's compile time (where `cached`, of the compile that was kept)
+  cached: bool = False  # read from JAX's compilation cache dir (`program_cache`), not compiled
 
   def __repr__(self) -> str:
     return (
       f"GpuProgram(target={self.target!r}, device={units.format_bytes(self.memory.device)}, "
       f"host={units.format_bytes(self.memory.host)}, hlo={len(self.hlo):,} characters, "
-      f"compile_seconds={self.compile_seconds:.1f})"
+      f"compile_seconds={self.compile_seconds:.1f}{', cached' if self.cached else ''})"
     )
 
   @functools.cached_property
@@ -366,7 +368,9 @@ def compile_for_gpu(
     **kwargs: keyword arguments of `fn`.
 
   Returns:
-    A `GpuProgram`.
+    A `GpuProgram`. Where JAX's persistent compilation cache is on (``JAX_COMPILATION_CACHE_DIR``),
+    one compiled before from the same lowered module, target, options, ``XLA_FLAGS`` and versions
+    is read from it (``cached``) instead (`program_cache`).
 
   Raises:
     RuntimeError: when the CUDA plugin is missing or jax is outside the supported range.
@@ -379,6 +383,17 @@ def compile_for_gpu(
   with _compat.lowering_backend(device.client):
     lowered = traced.lower(lowering_platforms=("cuda",))
   overrides = list((xla_flags or {}).items())
+  cache_dir = program_cache.directory()
+  if cache_dir is not None:
+    key = program_cache.entry_key(
+      program_cache.module_key_text(lowered.as_text(debug_info=True)),
+      target_config(target),
+      overrides,
+    )
+    entry = program_cache.load(cache_dir, key)
+    if entry is not None:
+      memory = DeviceMemory(**entry["memory"])
+      return GpuProgram(target, memory, entry["hlo"], entry["compile_seconds"], cached=True)
   t0 = time.perf_counter()
   executable = _compat.compile_for_topology(lowered, device, overrides)
   seconds = time.perf_counter() - t0
@@ -394,6 +409,9 @@ def compile_for_gpu(
     host_temp=stats.host_temp_size_in_bytes,
   )
   hlo = "\n".join(m.to_string() for m in executable.hlo_modules())
+  if cache_dir is not None:
+    entry = {"memory": dataclasses.asdict(memory), "hlo": hlo, "compile_seconds": seconds}
+    program_cache.store(cache_dir, key, entry)
   return GpuProgram(target, memory, hlo, seconds)
 
 

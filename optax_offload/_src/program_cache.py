@@ -1,0 +1,167 @@
+"""What `compile_for_gpu` read from a compiled GPU program, kept in JAX's compilation cache dir.
+
+A compile-only client's executable does not go through JAX's persistent cache: `compile_for_gpu`
+calls the client itself (`_compat.compile_for_topology`). Where JAX's cache is on (a
+``jax_compilation_cache_dir``, e.g. ``JAX_COMPILATION_CACHE_DIR``), this keeps what it read from
+each program (the buffer assignment's bytes, the scheduled HLO text and XLA's compile time) in that
+directory, one file per program, ``optax_offload_gpu-<sha256>-program``, gzipped JSON. The key is
+everything the compile reads: the lowered module with its source locations (they are in the
+HLO's metadata), the target config's text, the XLA options given, ``XLA_FLAGS``, and the versions
+of jax, jaxlib and the CUDA plugin. An entry that cannot be read is a miss and is written again;
+entries are written to a temporary file and renamed into place.
+
+Examples:
+  >>> import tempfile
+  >>> directory = tempfile.mkdtemp()
+  >>> key = entry_key("module {}", "gpu_device_info {}", [("xla_flag", True)])
+  >>> load(directory, key) is None
+  True
+  >>> store(directory, key, {"hlo": "HloModule m", "compile_seconds": 1.5})
+  >>> load(directory, key)
+  {'hlo': 'HloModule m', 'compile_seconds': 1.5}
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import tempfile
+from typing import Any
+
+import jax
+
+SUFFIX = "-program"
+"""Not JAX's ``-cache``: JAX's own eviction and tools leave these files alone."""
+
+
+def directory() -> str | None:
+  """JAX's persistent compilation cache directory, or None where the cache is off."""
+  path = jax.config.jax_compilation_cache_dir
+  if not path or not jax.config.jax_enable_compilation_cache:
+    return None
+  return os.fspath(path)
+
+
+@functools.cache
+def _versions() -> str:
+  names = sorted(
+    f"{d.metadata['Name']}=={d.version}"
+    for d in importlib.metadata.distributions()
+    if (d.metadata["Name"] or "").lower().startswith("jax")
+  )
+  return ";".join(names)
+
+
+_LOC_DEF = re.compile(r"^#(loc\d*) = loc\((.*)\)$")
+_LOC_USE = re.compile(r'loc\((#loc\d*|unknown|"(?:[^"\\]|\\.)*"(?:\(#loc\d*\))?)\)')
+_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"(.*)$', re.S)
+
+
+def module_key_text(debug_text: str) -> str:
+  r"""The lowered module's text (``as_text(debug_info=True)``) with each location reduced to the
+  names XLA makes ``op_name``s of: the Python traceback of every operation (``callsite(...)``
+  of its frames, and ``"file":line:col``) dropped, since it varies with the caller (pytest
+  and pytest-xdist call a test through other frames) and reaches the compiled HLO only as
+  ``stack_frame_id`` indices into a table its text leaves out. A location of a form this does
+  not know is kept as it is (then a program compiled from elsewhere is a miss, not a false hit).
+
+  Examples:
+    >>> text = '%0 = stablehlo.sine %arg0 loc(#loc4)\n#loc1 = loc("/a.py":1:2)\n' + (
+    ...   '#loc2 = loc("f"(#loc1))\n#loc3 = loc(callsite(#loc2 at #loc2))\n'
+    ...   '#loc4 = loc("jit(f)/sin"(#loc3))')
+    >>> module_key_text(text)
+    '%0 = stablehlo.sine %arg0 loc(jit(f)/sin)'
+  """
+  defs, lines = {}, []
+  for line in debug_text.splitlines():
+    m = _LOC_DEF.match(line)
+    if m:
+      defs["#" + m.group(1)] = m.group(2)
+    else:
+      lines.append(line)
+  names: dict[str, str | None] = {}
+
+  def name(expr: str) -> str | None:  # None: a form not known, kept as it is
+    if expr.startswith("#loc"):
+      if expr not in names:
+        names[expr] = None  # (a cycle, which MLIR does not write, stays unknown)
+        names[expr] = name(defs[expr]) if expr in defs else None
+      return names[expr]
+    if expr == "unknown" or expr.startswith("callsite("):
+      return ""
+    m = _QUOTED.match(expr)
+    if m is None:
+      return None
+    label, rest = m.groups()
+    if rest.startswith(":"):  # "file":line:col
+      return ""
+    if not rest:
+      return label
+    if not (rest.startswith("(") and rest.endswith(")")):
+      return None
+    inner = name(rest[1:-1])
+    if inner is None:
+      return None
+    return f"{label}({inner})" if inner else label
+
+  def reduced(m: re.Match) -> str:
+    n = name(m.group(1))
+    return m.group(0) if n is None else f"loc({n})"
+
+  return "\n".join(_LOC_USE.sub(reduced, line) for line in lines)
+
+
+def entry_key(module_text: str, target_config: str, overrides: list[tuple[str, Any]]) -> str:
+  """The key of a compile: a sha256 of all it depends on (see the module's docstring);
+  `module_text` as `module_key_text` gives it."""
+  h = hashlib.sha256()
+  for part in (
+    "optax_offload gpu program 1",
+    _versions(),
+    os.environ.get("XLA_FLAGS", ""),
+    repr(sorted((str(k), repr(v)) for k, v in overrides)),
+    target_config,
+    module_text,
+  ):
+    data = part.encode()
+    h.update(len(data).to_bytes(8, "little"))
+    h.update(data)
+  return h.hexdigest()
+
+
+def _path(cache_dir: str, key: str) -> str:
+  return os.path.join(cache_dir, f"optax_offload_gpu-{key}{SUFFIX}")
+
+
+def load(cache_dir: str, key: str) -> dict[str, Any] | None:
+  """The entry stored under `key`, or None (none, or one that cannot be read)."""
+  try:
+    with gzip.open(_path(cache_dir, key), "rt", encoding="utf-8") as f:
+      entry = json.load(f)
+  except (OSError, EOFError, ValueError):
+    return None
+  return entry if isinstance(entry, dict) else None
+
+
+def store(cache_dir: str, key: str, entry: dict[str, Any]) -> None:
+  """Writes `entry` (JSON-able) under `key`: whole or not at all. A cache that cannot be written
+  is skipped, as JAX skips its own."""
+  try:
+    os.makedirs(cache_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".optax_offload_gpu-", suffix=".tmp")
+  except OSError:
+    return
+  try:
+    with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1) as f:
+      f.write(json.dumps(entry).encode())
+    os.replace(tmp, _path(cache_dir, key))
+  except OSError:
+    try:
+      os.remove(tmp)
+    except OSError:
+      pass
