@@ -10,7 +10,8 @@ lists the shard files of this process's last generation.
 --save-at STEP: saves an Orbax checkpoint (params and `oo.OffloadSave`) in OUT_DIR/ckpt after STEP steps.
 --restore-from DIR: restores the checkpoint of DIR/ckpt (its only step) and trains from there.
 
---host-memory SIZE: offload(host_memory=SIZE) instead of host_limit (with --nvme: and nvme_dir).
+--host-memory SIZE: offload(host_memory=SIZE) instead of host_limit (with --nvme: and nvme_dir), and
+offload's INFO log (what it planned) on stderr.
 --hold-on-0 SIZE: process 0 holds an array of SIZE bytes in pinned host memory before init.
 --nvme-dir-on-1 DIR: process 1's nvme_dir (with --nvme), instead of OUT_DIR/nvme.
 --wide: one more leaf, 'wide' (64 x 200,000, sharded on its columns: 102 MB of Adam state in all,
@@ -25,6 +26,7 @@ progress and the error to stderr. The parent kills one process and times how the
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -117,6 +119,9 @@ def global_array(x, spec, mesh):
 
 
 def main():
+  if HOST_MEMORY is not None:  # what offload planned, on stderr (the test reads it)
+    logging.basicConfig(stream=sys.stderr, format="%(message)s")
+    logging.getLogger("optax_offload").setLevel(logging.INFO)
   mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices())
   nvme = {"host_limit": NVME_HOST_LIMIT, "nvme_dir": os.path.join(out_dir, "nvme")} if NVME else {}
   if NVME and process_id == 1 and _option("--nvme-dir-on-1") is not None:

@@ -1,6 +1,7 @@
 """examples/consumer_13b.py (docs/consumer.md) at a CPU size: the plan's bytes and the run's agree."""
 
 import importlib.util
+import logging
 import pathlib
 import sys
 
@@ -290,7 +291,9 @@ def test_host_memory_counts_a_resumed_stores_files_as_room(tmp_path, monkeypatch
     tx.init({"w": stack})
 
 
-def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(tmp_path, monkeypatch):
+def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(
+  tmp_path, monkeypatch, caplog
+):
   # Paths of the processes' agreement (host_memory._agreed) that tests/test_multiprocess.py's
   # real runs cannot reach with one machine's alike devices and even shards: the other process
   # is one scripted row of the gather (this process's values, the other's), as process 1 of 2.
@@ -327,24 +330,36 @@ def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(tmp_p
     params, optimizer=optax.adam(1e-3), window_bytes=100_000, host_limit=300_000, nvme_dir=nvme_dir
   ).host_bytes
   assert 0 < least < oo.estimate(params, optimizer=optax.adam(1e-3)).host_bytes
+  # The first gather names the file system of each process's nvme_dir: the same one here, whose
+  # free space the two processes share; the next ones compare their plans.
   monkeypatch.setattr(
-    multihost_utils, "process_allgather", other_process(lambda v: [least, 0], same)
+    multihost_utils, "process_allgather", other_process(same, lambda v: [least, 0], same)
   )
   tx = offload()
-  state = tx.init(params)
+  with caplog.at_level(logging.INFO, logger="optax_offload"):
+    state = tx.init(params)
   assert oo.footprint(state)["host"] == least and oo.footprint(state)["nvme"] > 0
+  assert "2 processes of this run keep their NVMe tier" in caplog.text
   oo.close_nvme(state)
+  # Another file system (or none): this process plans with all of its disk's free space.
+  caplog.clear()
+  monkeypatch.setattr(
+    multihost_utils, "process_allgather", other_process(lambda v: [v[0] ^ 2, 0], same, same)
+  )
+  with caplog.at_level(logging.INFO, logger="optax_offload"):
+    oo.close_nvme(offload().init(params))
+  assert "processes of this run keep their NVMe tier" not in caplog.text
   # Plans that differ after all (another checksum of the groups): refused on every process.
   monkeypatch.setattr(
     multihost_utils,
     "process_allgather",
-    other_process(same, lambda v: [v[0], v[1] + 1, 0]),
+    other_process(same, same, lambda v: [v[0], v[1] + 1, 0]),
   )
   with pytest.raises(ValueError, match="plan different groups or tiers"):
     offload().init(params)
   # The other process is refused when it plans again: this one is, naming it.
   monkeypatch.setattr(
-    multihost_utils, "process_allgather", other_process(same, lambda v: [0, 0, 1])
+    multihost_utils, "process_allgather", other_process(same, same, lambda v: [0, 0, 1])
   )
   with pytest.raises(ValueError, match="process 0 refused the host_memory plan"):
     offload().init(params)
@@ -358,4 +373,4 @@ def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(tmp_p
   tx = oo.offload(optax.adam(1e-3), host_memory="64MiB", nvme_dir=str(unwritable / "nvme"))
   with pytest.raises(ValueError, match="cannot be created"):
     tx.init(params)
-  assert len(gathers) == 1 and np.asarray(gathers[0]).view(np.int64)[-1] == 1
+  assert len(gathers) == 2 and np.asarray(gathers[-1]).view(np.int64)[-1] == 1

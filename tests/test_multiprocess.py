@@ -63,6 +63,10 @@ def _run(num_processes: int, out_dir, *flags: str, timeout: float = 300, check: 
     return [(p.returncode, err) for p, (_, err) in zip(procs, outs)]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
+  return _footprints(num_processes, out_dir)
+
+
+def _footprints(num_processes: int, out_dir):
   return [json.loads((out_dir / f"footprint_{i}.json").read_text()) for i in range(num_processes)]
 
 
@@ -126,9 +130,16 @@ def test_host_memory_plans_every_process_with_the_least_room(tmp_path):
   """The processes of a run plan one program: where live arrays leave one of them less room, every
   process plans with that one's budget; where one is refused, every process is, at once."""
   room = 60_000_000  # 'wide' takes 51.2 MB of Adam state per process, the rest 0.3 MB
-  alone = _run(
-    2, tmp_path / "alone", "--wide", "--steps", "1", "--nvme", "--host-memory", str(room)
-  )
+  runs = _run(
+    2, tmp_path / "alone", "--wide", "--steps", "1", "--nvme", "--host-memory", str(room),
+    check=False,
+  )  # fmt: skip
+  for code, err in runs:
+    assert code == 0, err[-3000:]
+    # Both nvme_dirs are on tmp_path's file system: each process plans with half its free space.
+    assert "2 processes of this run keep their NVMe tier on this machine's file system" in err
+    assert "each plans with 1/2 of it" in err
+  alone = _footprints(2, tmp_path / "alone")
   assert [f["footprint"]["nvme"] for f in alone] == [0, 0]  # all of it fits in RAM
   # Process 0 holds 20 MB more in pinned host memory: its 'wide' state goes to NVMe, and process
   # 1's too, though it would fit there.

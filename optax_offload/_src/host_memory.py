@@ -9,6 +9,7 @@ The `check_*` functions refuse, where the step is traced, what the plan did not 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import weakref
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_offload._src import measure
 from optax_offload._src import memory
 from optax_offload._src import units
 
@@ -41,9 +43,9 @@ class HostMemory:
     planned: `estimate`'s plan made at init (None before).
     reserved: bytes the plan holds beyond the arrays that exist at init (the stack's whole
       gradients, accumulators, NVMe buffers): other offloads planned later leave them out.
-    whole_gradients_plan: where the plan updates the stack in the backward pass without
-      accumulating, what gives the least host memory a step with its whole gradients needs (for
-      the refusals' advice; planned only when a refusal names it).
+    whole_gradients_need: where the plan updates the stack in the backward pass without
+      accumulating, a function giving the least host memory (bytes) a step with its whole
+      gradients needs (for the refusals' advice; planned only when a refusal names it).
   """
 
   budget: int
@@ -52,7 +54,7 @@ class HostMemory:
   plan_options: dict[str, Any] = dataclasses.field(default_factory=dict)
   planned: Any = None
   reserved: int = 0
-  whole_gradients_plan: Callable[[], int] | None = None
+  whole_gradients_need: Callable[[], int] | None = None
 
   def plan(self, params, abstract: Any, window_bytes: int, nvme_dir):
     """`estimate`'s plan for `abstract` (the params' shapes and shardings; `params` the arrays
@@ -96,6 +98,18 @@ class HostMemory:
       else ""
     )
     beside = f"; its figures are for what is left: add {units.format_bytes(other)} to them"
+    disk, shared = {}, ""
+    if jax.process_count() > 1:
+      sharers = _processes_sharing_the_disk(nvme_dir)
+      if sharers > 1:
+        free = measure.free_disk(nvme_dir)
+        disk = {"nvme_size": free // sharers}
+        shared = (
+          f" ({sharers} processes of this run keep their NVMe tier on this machine's file system "
+          f"of nvme_dir, with {units.format_bytes(free)} free: each plans with 1/{sharers} of it)"
+        )
+        logger.info("offload: host_memory: NVMe tier%s", shared)
+    plan_options.update(disk)
 
     def plan_with(note: str = "", **limits):
       """`estimate`'s plan, and the refusal of its shortfalls (None where it fits), after
@@ -114,7 +128,8 @@ class HostMemory:
       return e, (
         f"offload: {note}host_memory {units.format_bytes(self.budget)}{taken} does not fit this "
         f"model's plan (in the plan command's flags: --host-memory is host_memory"
-        f"{beside if other else ''}): " + " ".join(f"{f.tier}: {f.advice}" for f in short)
+        f"{beside if other else ''}): "
+        + " ".join(f"{f.tier}{shared if f.tier == 'nvme' else ''}: {f.advice}" for f in short)
       )
 
     if jax.process_count() == 1:
@@ -123,11 +138,11 @@ class HostMemory:
       e, refusal = _plan_alike(plan_with, room)
     if refusal is not None:
       raise ValueError(refusal)
-    self.whole_gradients_plan = None
+    self.whole_gradients_need = None
     if e.weights_on == "host" and e.update_in_backward and self.accumulate == 1:
       # What a step holding the stack's gradients whole would need: the least host memory of
       # that plan (all the state on NVMe), for the refusals' advice.
-      self.whole_gradients_plan = lambda: (
+      self.whole_gradients_need = lambda: (
         other
         + estimate.estimate(
           abstract, host_limit=0, update_in_backward=False, nvme_dir=nvme_dir, **plan_options
@@ -153,10 +168,10 @@ class HostMemory:
     whole) and `what` holds them whole, with what to give offload instead."""
     if not (self.stack_planned() and self.planned.update_in_backward):
       return
-    if self.whole_gradients_plan is None:  # accumulation: the backward pass accumulates them
+    if self.whole_gradients_need is None:  # accumulation: the backward pass accumulates them
       fix = "Train with oo.value_and_update without it."
     else:
-      need = self.whole_gradients_plan()
+      need = self.whole_gradients_need()
       fix = (
         "Train with oo.value_and_update without it, or give offload a host_memory of at least "
         f"{units.format_bytes(need)} ({need} bytes: "
@@ -217,6 +232,19 @@ def _plan_alike(plan_with, room: int):
       "shards of the params (as many local devices each) and the same window_bytes."
     )
   return e, refusal
+
+
+def _processes_sharing_the_disk(nvme_dir) -> int:
+  """How many processes of this run (this one included) keep their NVMe tier on the file system
+  of this one's `nvme_dir` on this machine, whose free space they share (1 without `nvme_dir`).
+  A collective: every process of a multi-process run calls it once, with or without a
+  `nvme_dir`."""
+  mine = 0
+  if nvme_dir is not None:  # a 63-bit name of the file system; 0 is "none"
+    digest = hashlib.sha256(measure.file_system_id(nvme_dir).encode()).digest()
+    mine = int.from_bytes(digest[:8], "little") >> 1 or 1
+  every = _agreed([mine], None)[:, 0]
+  return int((every == mine).sum()) if mine else 1
 
 
 def _planned_or_refused(plan_with, *args, **limits):

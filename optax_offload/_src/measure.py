@@ -2,7 +2,7 @@
 
 `Bandwidths` holds bytes per second of the links a step uses, with defaults for a typical PCIe 4.0
 machine; `measure_bandwidths` times this machine's link and disk; `free_disk` reads a file system's
-free space. `estimate` is pure arithmetic on what these return.
+free space, `file_system_id` which processes share it. `estimate` is pure arithmetic on what these return.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import shutil
+import socket
 import tempfile
 import time
 
@@ -171,10 +172,32 @@ def free_disk(path: str | os.PathLike) -> int:
     >>> free_disk("/no/such/directory/yet") > 0  # the root's file system
     True
   """
+  return shutil.disk_usage(_nearest_existing(path)).free
+
+
+def file_system_id(path: str | os.PathLike) -> str:
+  """Names the file system of `path` (or of its nearest existing parent) on this machine: the same
+  string in every process whose files share that disk's free space, whatever their directories.
+  The kernel's boot id tells machines apart (containers share their host's), the device number
+  file systems.
+
+  Examples:
+    >>> file_system_id("/no/such/directory") == file_system_id("/")
+    True
+  """
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      machine = f.read().strip()
+  except OSError:  # not Linux: the host's name
+    machine = socket.gethostname()
+  return f"{machine}:{os.stat(_nearest_existing(path)).st_dev}"
+
+
+def _nearest_existing(path: str | os.PathLike) -> str:
   p = os.path.abspath(os.fspath(path))
   while not os.path.exists(p):
     parent = os.path.dirname(p)
     if parent == p:
       break
     p = parent
-  return shutil.disk_usage(p).free
+  return p

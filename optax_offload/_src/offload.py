@@ -84,7 +84,9 @@ def offload(
       the params and state (donate them to the jitted step) and ``update_on="device"``. In a
       multi-process run it is each process's budget, for its shards, and every process plans with
       the least state budget any of them finds (their update programs must be the same), so ``init``
-      is a collective; a layer stack in pinned host memory is refused there (pass `host_limit`). It
+      is a collective; processes on one machine whose `nvme_dir` is on one file system plan with
+      an equal share of its free space each; a layer stack in pinned host memory is refused there
+      (pass `host_limit`). It
       refuses ``optax.MultiSteps`` around a stack in pinned host memory (use ``value_and_update(...,
       accumulate=k)``).
     accumulate: with `host_memory`, ``value_and_update``'s micro-batches per step: their
