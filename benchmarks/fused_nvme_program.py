@@ -90,7 +90,7 @@ def model_program(args) -> None:
     busy, total = schedule.overlap(d, per_execution=True)
     hit, _ = schedule.overlap(d, per_execution=True, matmul=True)
     print(f"copies {d} per step {total}: in flight during compute {busy}, during a matmul {hit}")
-  print(f"compile {c.compile_s:.1f} s")
+  print(f"compile {c.compile_s:.1f} s{' (cached)' if c.cached else ''}")
 
 
 def main() -> None:

@@ -58,6 +58,7 @@ def main(argv=None) -> list[dict]:
     row = {
       "slices": n,
       "compile_s": round(program.compile_seconds, 2),
+      "cached": program.cached,  # compile_s is then the kept compile's
       "instructions": program.instruction_count,
       "temp_over_window": round(program.memory.temp / window, 2),
       "host_temp": program.memory.host_temp,

@@ -118,6 +118,7 @@ def row(name: str, cfg: llama.Config, variant: str, target: str, window, usable:
     "device_bytes_per_param": memory.device / cfg.params,
     "window_bytes": window if variant.startswith("offload") else None,
     "compile_s": wall,
+    "cached": program.cached,  # read from JAX's compilation cache dir: compile_s is its reading
     # CPU-seconds of this process (trace, lowering, XLA): on a shared machine other jobs inflate
     # the wall time, not this.
     "compile_cpu_s": cpu,
@@ -140,7 +141,8 @@ def row(name: str, cfg: llama.Config, variant: str, target: str, window, usable:
   print(
     f"{name:>6} {variant:14s} {target:10s} device {memory.device / GiB:7.2f} GiB"
     f" ({out['device_bytes_per_param']:.2f} B/param), host {memory.host / GiB:7.2f} GiB,"
-    f" fits {out['fits']!s:5s} compile {out['compile_s']:.0f}s ({out['compile_cpu_s']:.0f} CPU-s)",
+    f" fits {out['fits']!s:5s} compile {out['compile_s']:.0f}s ({out['compile_cpu_s']:.0f} CPU-s)"
+    f"{' (cached)' if out['cached'] else ''}",
     flush=True,
   )
   return out

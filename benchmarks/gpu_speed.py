@@ -117,6 +117,7 @@ class Compiled:
   memory: Any  # the program's `oo.DeviceMemory` (memory_analysis: device and host apart)
   compile_s: float
   loop_trip: int | None  # the micro-batch loop's trip count in the HLO (None: no loop)
+  cached: bool = False  # read from JAX's compilation cache dir (compile_s: the reading)
 
   @property
   def device_bytes(self) -> int:
@@ -256,7 +257,7 @@ def compile_variant(
   program = oo.compile_for_gpu(
     step, params, state, tokens, donate_argnums=(0, 1), target=target, xla_flags=options
   )
-  return Compiled(program.hlo, program.memory, time.perf_counter() - t0, trip)
+  return Compiled(program.hlo, program.memory, time.perf_counter() - t0, trip, program.cached)
 
 
 def with_trip_count(hlo: str, old: int, new: int) -> str:
@@ -487,6 +488,7 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
     "step_over_compute": t.step_s / t.compute_s,
     "bottleneck": t.bottleneck,
     "compile_s": c.compile_s,
+    "cached": c.cached,
     "depths": [cfg.layers],
     "modelled": True,
   }

@@ -303,6 +303,8 @@ def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(
   from conftest import make_params
   from jax.experimental import multihost_utils
 
+  from optax_offload._src import measure
+
   params = make_params()
   nvme_dir = str(tmp_path / "nvme")
 
@@ -349,6 +351,16 @@ def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(
   with caplog.at_level(logging.INFO, logger="optax_offload"):
     oo.close_nvme(offload().init(params))
   assert "processes of this run keep their NVMe tier" not in caplog.text
+  # A share too small for the state the plan puts on NVMe: refused, saying why (the disk's free
+  # space as a test machine cannot have it: 2 MB).
+  monkeypatch.setattr(
+    multihost_utils, "process_allgather", other_process(same, lambda v: [least, 0], same)
+  )
+  with monkeypatch.context() as m:
+    m.setattr(measure, "free_disk", lambda path: 2_000_000)
+    with pytest.raises(ValueError, match=r"nvme \(2 processes .* each plans with 1/2 of it") as e:
+      offload().init(params)
+  assert "the plan command with --nvme-size 1000000 counts the same" in str(e.value)
   # Plans that differ after all (another checksum of the groups): refused on every process.
   monkeypatch.setattr(
     multihost_utils,

@@ -5,6 +5,8 @@ device and host bytes (`memory_analysis`) and its schedule (which copies are in 
 update computes).
 """
 
+import gzip
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -150,11 +152,22 @@ def test_a_program_compiled_before_is_read_from_the_cache_dir(tmp_path, monkeypa
   assert not compiled(target="h100_24gb").cached
   assert not compiled(xla_flags={"xla_gpu_enable_latency_hiding_scheduler": False}).cached
   assert len(list(tmp_path.glob(f"*{program_cache.SUFFIX}"))) == 5
-  # A truncated entry (a process killed while it wrote, or a full disk) is compiled again.
-  entry.write_bytes(entry.read_bytes()[:100])
-  rewritten = compiled()
-  assert not rewritten.cached and rewritten.hlo == first.hlo
-  assert compiled().cached
+  # A target config file changed after its device was made: the key is the text compiled for.
+  config = tmp_path / "target.txtpb"
+  config.write_text(gpu_program.target_config("h100_80gb"))
+  compiled(target=str(config))
+  config.write_text(gpu_program.target_config("h100_24gb"))
+  assert not compiled(lambda x: jnp.tan(x), target=str(config)).cached  # for the 80 GB device
+  assert not compiled(lambda x: jnp.tan(x), target="h100_24gb").cached
+  # The Python frames that lowered it are not in the program (they vary with the caller).
+  assert "FileNames" not in first.hlo and "stack_frame_id" not in first.hlo
+  # A truncated entry (a process killed while it wrote, or a full disk), or one of another
+  # format, is compiled again.
+  for damaged in (entry.read_bytes()[:100], gzip.compress(b'{"memory": {}, "hlo": 1}')):
+    entry.write_bytes(damaged)
+    rewritten = compiled()
+    assert not rewritten.cached and rewritten.hlo == first.hlo
+    assert compiled().cached
 
 
 def test_unknown_target_is_refused():

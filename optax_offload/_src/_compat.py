@@ -52,7 +52,8 @@ jax._src.interpreters.mlir            Private, same: ``get_backend(self, optiona
 (`lowering_backend`)                  ``ctx.module_context.get_backend()``.
 jax._src.lib.xla_client               Private, same: ``CompileOptions = _xla.CompileOptions``;
 .CompileOptions, .env_option_         0.12's compiler.py sets ``compile_options.env_option_
-overrides (`compile_for_topology`)    overrides = list(env_options_overrides.items())``.
+overrides, .SerializeAsString()       overrides = list(env_options_overrides.items())`` and its
+(`compile_options`)                   cache key hashes ``SerializeAsString()``.
 DeviceList (`compile_for_topology`)   Was ``jax._src.lib._jax.DeviceList``; now taken from
                                       ``xla_client.DeviceList`` (the same object in 0.10.2;
                                       ``DeviceList = _xla.DeviceList`` in jaxlib 0.12.0.1, what
@@ -293,7 +294,22 @@ def lowering_backend(client: Any):
     mlir.ModuleContext.get_backend = original
 
 
-def compile_for_topology(lowered: jax.stages.Lowered, device: Any, env_overrides=()) -> Any:
+def compile_options(env_overrides=()) -> Any:
+  """XLA's compile options for `compile_for_topology` (``SerializeAsString()`` for a cache key).
+
+  Args:
+    env_overrides: ``(name, value)`` pairs of XLA debug options, values typed as XLA expects
+      (bool, int or str), e.g. ``("xla_gpu_enable_latency_hiding_scheduler", True)``.
+  """
+  from jax._src.lib import xla_client  # CompileOptions: jaxlib-private
+
+  options = xla_client.CompileOptions()
+  if env_overrides:
+    options.env_option_overrides = [(str(k), v) for k, v in env_overrides]
+  return options
+
+
+def compile_for_topology(lowered: jax.stages.Lowered, device: Any, options: Any) -> Any:
   """Compiles a lowered computation for one compile-only device of a topology.
 
   jax's public ``Lowered.compile()`` compiles with the backend the arrays were on (the CPU);
@@ -303,17 +319,13 @@ def compile_for_topology(lowered: jax.stages.Lowered, device: Any, env_overrides
   Args:
     lowered: ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``.
     device: a device of ``jax.experimental.topologies.get_topology_desc(...)``.
-    env_overrides: ``(name, value)`` pairs of XLA debug options, values typed as XLA expects
-      (bool, int or str), e.g. ``("xla_gpu_enable_latency_hiding_scheduler", True)``.
+    options: `compile_options`'s.
 
   Returns:
     The loaded executable (``get_compiled_memory_stats()``, ``hlo_modules()``).
   """
-  from jax._src.lib import xla_client  # CompileOptions, DeviceList: jaxlib-private
+  from jax._src.lib import xla_client  # DeviceList: jaxlib-private
 
-  options = xla_client.CompileOptions()
-  if env_overrides:
-    options.env_option_overrides = [(str(k), v) for k, v in env_overrides]
   return device.client.compile(
     lowered.compiler_ir("stablehlo"),
     executable_devices=xla_client.DeviceList((device,)),

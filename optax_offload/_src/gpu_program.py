@@ -289,7 +289,7 @@ class GpuProgram:
 
   target: str
   memory: DeviceMemory
-  hlo: str  # the scheduled module's text (megabytes for a model: not in the repr)
+  hlo: str  # the scheduled module's text, `without_source_frames` (megabytes: not in the repr)
   compile_seconds: float  # XLA's compile time (where `cached`, of the compile that was kept)
   cached: bool = False  # read from JAX's compilation cache dir (`program_cache`), not compiled
 
@@ -336,12 +336,12 @@ def target_config(target: str) -> str:
 
 @functools.cache
 def _topology_device(target: str):
+  """The compile-only device of `target`, and the config text it was made from."""
   from jax.experimental import topologies
 
-  topo = topologies.get_topology_desc(
-    platform="cuda", target_config=target_config(target), topology="1x1x1"
-  )
-  return topo.devices[0]
+  config = target_config(target)
+  topo = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
+  return topo.devices[0], config
 
 
 def compile_for_gpu(
@@ -376,26 +376,22 @@ def compile_for_gpu(
     RuntimeError: when the CUDA plugin is missing or jax is outside the supported range.
   """
   _compat.check_gpu_compile_support()
-  device = _topology_device(target)
+  device, config = _topology_device(target)
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn, donate_argnums=donate_argnums)
   with stream.traced_for("cuda"):  # the update's form for a GPU (`stream._Run.chunks`)
     traced = jitted.trace(*args, **kwargs)
   with _compat.lowering_backend(device.client):
     lowered = traced.lower(lowering_platforms=("cuda",))
-  overrides = list((xla_flags or {}).items())
-  cache_dir = program_cache.directory()
+  options = _compat.compile_options(list((xla_flags or {}).items()))
+  cache_dir, key = program_cache.directory(), None
   if cache_dir is not None:
-    key = program_cache.entry_key(
-      program_cache.module_key_text(lowered.as_text(debug_info=True)),
-      target_config(target),
-      overrides,
-    )
-    entry = program_cache.load(cache_dir, key)
-    if entry is not None:
-      memory = DeviceMemory(**entry["memory"])
-      return GpuProgram(target, memory, entry["hlo"], entry["compile_seconds"], cached=True)
+    module = program_cache.module_key_text(lowered.as_text(debug_info=True))
+    key = program_cache.entry_key(module, config, options.SerializeAsString())
+    cached = _cached_program(target, program_cache.load(cache_dir, key))
+    if cached is not None:
+      return cached
   t0 = time.perf_counter()
-  executable = _compat.compile_for_topology(lowered, device, overrides)
+  executable = _compat.compile_for_topology(lowered, device, options)
   seconds = time.perf_counter() - t0
   stats = executable.get_compiled_memory_stats()
   memory = DeviceMemory(
@@ -408,11 +404,42 @@ def compile_for_gpu(
     host_alias=stats.host_alias_size_in_bytes,
     host_temp=stats.host_temp_size_in_bytes,
   )
-  hlo = "\n".join(m.to_string() for m in executable.hlo_modules())
-  if cache_dir is not None:
+  hlo = without_source_frames("\n".join(m.to_string() for m in executable.hlo_modules()))
+  if key is not None:
     entry = {"memory": dataclasses.asdict(memory), "hlo": hlo, "compile_seconds": seconds}
     program_cache.store(cache_dir, key, entry)
   return GpuProgram(target, memory, hlo, seconds)
+
+
+def _cached_program(target: str, entry: Any) -> GpuProgram | None:
+  """The program a cache entry holds, or None where it holds none (a miss)."""
+  try:
+    fields = [f.name for f in dataclasses.fields(DeviceMemory)]
+    memory = DeviceMemory(**{name: int(entry["memory"][name]) for name in fields})
+    hlo, seconds = entry["hlo"], float(entry["compile_seconds"])
+  except (KeyError, TypeError, ValueError):  # None, or another format
+    return None
+  return GpuProgram(target, memory, hlo, seconds, cached=True) if isinstance(hlo, str) else None
+
+
+_SOURCE_TABLE_RE = re.compile(
+  r"^(?:FileNames|FunctionNames|FileLocations|StackFrames)\n(?:\d+ .*\n)*\n?", re.M
+)
+_STACK_FRAME_RE = re.compile(r" stack_frame_id=\d+|(?<=\{)stack_frame_id=\d+ ?")
+
+
+def without_source_frames(hlo: str) -> str:
+  r"""HLO text without its tables of Python source frames and the instructions' indices into them
+  (``stack_frame_id``): they follow the Python call stack that lowered the step, not the
+  program.
+
+  Examples:
+    >>> tables = 'FileNames\n1 "a.py"\n\nStackFrames\n1 {file_location_id=1}\n\n'
+    >>> without_source_frames(tables + '%x = f32[] add(%a, %b), metadata={op_name="add" '
+    ...                       'stack_frame_id=1}')
+    '%x = f32[] add(%a, %b), metadata={op_name="add"}'
+  """
+  return _STACK_FRAME_RE.sub("", _SOURCE_TABLE_RE.sub("", hlo))
 
 
 def shape_bytes(shape: str) -> int:

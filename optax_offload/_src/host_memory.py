@@ -98,18 +98,12 @@ class HostMemory:
       else ""
     )
     beside = f"; its figures are for what is left: add {units.format_bytes(other)} to them"
-    disk, shared = {}, ""
+    shared = ""
     if jax.process_count() > 1:
-      sharers = _processes_sharing_the_disk(nvme_dir)
-      if sharers > 1:
-        free = measure.free_disk(nvme_dir)
-        disk = {"nvme_size": free // sharers}
-        shared = (
-          f" ({sharers} processes of this run keep their NVMe tier on this machine's file system "
-          f"of nvme_dir, with {units.format_bytes(free)} free: each plans with 1/{sharers} of it)"
-        )
+      share, shared = _disk_share(nvme_dir)
+      if share is not None:
+        plan_options["nvme_size"] = share
         logger.info("offload: host_memory: NVMe tier%s", shared)
-    plan_options.update(disk)
 
     def plan_with(note: str = "", **limits):
       """`estimate`'s plan, and the refusal of its shortfalls (None where it fits), after
@@ -234,17 +228,30 @@ def _plan_alike(plan_with, room: int):
   return e, refusal
 
 
-def _processes_sharing_the_disk(nvme_dir) -> int:
-  """How many processes of this run (this one included) keep their NVMe tier on the file system
-  of this one's `nvme_dir` on this machine, whose free space they share (1 without `nvme_dir`).
-  A collective: every process of a multi-process run calls it once, with or without a
-  `nvme_dir`."""
-  mine = 0
-  if nvme_dir is not None:  # a 63-bit name of the file system; 0 is "none"
-    digest = hashlib.sha256(measure.file_system_id(nvme_dir).encode()).digest()
-    mine = int.from_bytes(digest[:8], "little") >> 1 or 1
-  every = _agreed([mine], None)[:, 0]
-  return int((every == mine).sum()) if mine else 1
+def _disk_share(nvme_dir) -> tuple[int | None, str]:
+  """This process's share of the free space of its `nvme_dir`'s file system, and a note saying
+  so, where other processes of this run on this machine keep their NVMe tier there too (None
+  and "" where none does, or without `nvme_dir`). A collective: every process of a
+  multi-process run calls it once, with or without a `nvme_dir`; an error reading the file
+  system stops every process (`_agreed`)."""
+  mine, free, error = 0, 0, None
+  if nvme_dir is not None:
+    try:  # a 63-bit name of the file system; 0 is "none"
+      digest = hashlib.sha256(measure.file_system_id(nvme_dir).encode()).digest()
+      mine = int.from_bytes(digest[:8], "little") >> 1 or 1
+      free = measure.free_disk(nvme_dir)
+    except OSError as e:
+      error = e
+  every = _agreed([mine], error)[:, 0]
+  sharers = int((every == mine).sum()) if mine else 1
+  if sharers == 1:
+    return None, ""
+  share = free // sharers
+  return share, (
+    f" ({sharers} processes of this run keep their NVMe tier on this machine's file system of "
+    f"nvme_dir, with {units.format_bytes(free)} free: each plans with 1/{sharers} of it, "
+    f"{units.format_bytes(share)}; the plan command with --nvme-size {share} counts the same)"
+  )
 
 
 def _planned_or_refused(plan_with, *args, **limits):

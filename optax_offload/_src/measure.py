@@ -1,8 +1,8 @@
 """This machine's bandwidths and free disk space: the only code of the estimate that touches hardware.
 
 `Bandwidths` holds bytes per second of the links a step uses, with defaults for a typical PCIe 4.0
-machine; `measure_bandwidths` times this machine's link and disk; `free_disk` reads a file system's
-free space, `file_system_id` which processes share it. `estimate` is pure arithmetic on what these return.
+machine; `measure_bandwidths` times this machine's link and disk; `free_disk` reads a file
+system's free space, `file_system_id` which processes share it. `estimate` is pure arithmetic on what these return.
 """
 
 from __future__ import annotations
@@ -177,9 +177,10 @@ def free_disk(path: str | os.PathLike) -> int:
 
 def file_system_id(path: str | os.PathLike) -> str:
   """Names the file system of `path` (or of its nearest existing parent) on this machine: the same
-  string in every process whose files share that disk's free space, whatever their directories.
-  The kernel's boot id tells machines apart (containers share their host's), the device number
-  file systems.
+  string in the processes of one machine whose directories are on one mounted file system. The
+  kernel's boot id tells machines apart (containers share their host's), the device number file
+  systems. Space shared under other names is not found: btrfs subvolumes, containers' separate
+  overlay roots on one disk, a network file system mounted by several machines.
 
   Examples:
     >>> file_system_id("/no/such/directory") == file_system_id("/")

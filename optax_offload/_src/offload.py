@@ -86,9 +86,8 @@ def offload(
       the least state budget any of them finds (their update programs must be the same), so ``init``
       is a collective; processes on one machine whose `nvme_dir` is on one file system plan with
       an equal share of its free space each; a layer stack in pinned host memory is refused there
-      (pass `host_limit`). It
-      refuses ``optax.MultiSteps`` around a stack in pinned host memory (use ``value_and_update(...,
-      accumulate=k)``).
+      (pass `host_limit`). It refuses ``optax.MultiSteps`` around a stack in pinned host memory
+      (use ``value_and_update(..., accumulate=k)``).
     accumulate: with `host_memory`, ``value_and_update``'s micro-batches per step: their
       accumulators (of a stack in pinned host memory) take host memory too, and
       ``value_and_update`` refuses a step that accumulates where the plan did not (or the

@@ -1,24 +1,26 @@
 """What `compile_for_gpu` read from a compiled GPU program, kept in JAX's compilation cache dir.
 
 A compile-only client's executable does not go through JAX's persistent cache: `compile_for_gpu`
-calls the client itself (`_compat.compile_for_topology`). Where JAX's cache is on (a
+calls the client itself (`_compat.compile_for_topology`). Where JAX's cache is on (a local
 ``jax_compilation_cache_dir``, e.g. ``JAX_COMPILATION_CACHE_DIR``), this keeps what it read from
 each program (the buffer assignment's bytes, the scheduled HLO text and XLA's compile time) in that
 directory, one file per program, ``optax_offload_gpu-<sha256>-program``, gzipped JSON. The key is
-everything the compile reads: the lowered module with its source locations (they are in the
-HLO's metadata), the target config's text, the XLA options given, ``XLA_FLAGS``, and the versions
-of jax, jaxlib and the CUDA plugin. An entry that cannot be read is a miss and is written again;
-entries are written to a temporary file and renamed into place.
+what the compile reads: the lowered module with its operations' names (`module_key_text`), the
+target config's text, the serialized compile options (with the XLA options given), ``XLA_FLAGS``
+as this process first read it (XLA reads it once, at start-up), and the versions of jax, jaxlib,
+the CUDA plugin and optax_offload. An entry that cannot be read is a miss and is written again;
+entries are written to a temporary file and renamed into place. JAX's own size bound
+(``jax_compilation_cache_max_size``) and minimum compile time do not apply to these files (the
+test suite's cache tidying does); a remote cache directory (``gs://...``) is not used for them.
 
 Examples:
   >>> import tempfile
-  >>> directory = tempfile.mkdtemp()
-  >>> key = entry_key("module {}", "gpu_device_info {}", [("xla_flag", True)])
-  >>> load(directory, key) is None
-  True
-  >>> store(directory, key, {"hlo": "HloModule m", "compile_seconds": 1.5})
-  >>> load(directory, key)
-  {'hlo': 'HloModule m', 'compile_seconds': 1.5}
+  >>> key = entry_key("module {}", "gpu_device_info {}", b"options")
+  >>> with tempfile.TemporaryDirectory() as directory:
+  ...   missed = load(directory, key)
+  ...   store(directory, key, {"hlo": "HloModule m", "compile_seconds": 1.5})
+  ...   missed, load(directory, key)
+  (None, {'hlo': 'HloModule m', 'compile_seconds': 1.5})
 """
 
 from __future__ import annotations
@@ -31,18 +33,21 @@ import json
 import os
 import re
 import tempfile
+import zlib
 from typing import Any
 
 import jax
 
+FORMAT = "optax_offload gpu program 2"
+"""Part of every key: a new one when `compile_for_gpu` changes how it compiles or what it keeps."""
 SUFFIX = "-program"
 """Not JAX's ``-cache``: JAX's own eviction and tools leave these files alone."""
 
 
 def directory() -> str | None:
-  """JAX's persistent compilation cache directory, or None where the cache is off."""
+  """JAX's persistent compilation cache directory, or None where the cache is off or remote."""
   path = jax.config.jax_compilation_cache_dir
-  if not path or not jax.config.jax_enable_compilation_cache:
+  if not path or not jax.config.jax_enable_compilation_cache or "://" in str(path):
     return None
   return os.fspath(path)
 
@@ -52,9 +57,17 @@ def _versions() -> str:
   names = sorted(
     f"{d.metadata['Name']}=={d.version}"
     for d in importlib.metadata.distributions()
-    if (d.metadata["Name"] or "").lower().startswith("jax")
+    if (name := (d.metadata["Name"] or "").lower().replace("-", "_")).startswith("jax")
+    or name == "optax_offload"
   )
   return ";".join(names)
+
+
+@functools.cache
+def _xla_flags() -> str:
+  """``XLA_FLAGS`` when this process first made a key: XLA reads it once, when it starts, and a
+  later change does not reach the compiler (JAX's own cache key has the same limit)."""
+  return os.environ.get("XLA_FLAGS", "")
 
 
 _LOC_DEF = re.compile(r"^#(loc\d*) = loc\((.*)\)$")
@@ -66,16 +79,17 @@ def module_key_text(debug_text: str) -> str:
   r"""The lowered module's text (``as_text(debug_info=True)``) with each location reduced to the
   names XLA makes ``op_name``s of: the Python traceback of every operation (``callsite(...)``
   of its frames, and ``"file":line:col``) dropped, since it varies with the caller (pytest
-  and pytest-xdist call a test through other frames) and reaches the compiled HLO only as
-  ``stack_frame_id`` indices into a table its text leaves out. A location of a form this does
-  not know is kept as it is (then a program compiled from elsewhere is a miss, not a false hit).
+  and pytest-xdist call a test through other frames) and reaches the compiled HLO only as its
+  tables of source frames and ``stack_frame_id``s, which `GpuProgram.hlo` leaves out. A
+  location of a form this does not know (``fused[...]``) is kept as it is: then a program
+  compiled from elsewhere is a miss, not a false hit.
 
   Examples:
     >>> text = '%0 = stablehlo.sine %arg0 loc(#loc4)\n#loc1 = loc("/a.py":1:2)\n' + (
     ...   '#loc2 = loc("f"(#loc1))\n#loc3 = loc(callsite(#loc2 at #loc2))\n'
     ...   '#loc4 = loc("jit(f)/sin"(#loc3))')
     >>> module_key_text(text)
-    '%0 = stablehlo.sine %arg0 loc(jit(f)/sin)'
+    '%0 = stablehlo.sine %arg0 loc("jit(f)/sin")'
   """
   defs, lines = {}, []
   for line in debug_text.splitlines():
@@ -101,13 +115,13 @@ def module_key_text(debug_text: str) -> str:
     if rest.startswith(":"):  # "file":line:col
       return ""
     if not rest:
-      return label
+      return f'"{label}"'
     if not (rest.startswith("(") and rest.endswith(")")):
       return None
     inner = name(rest[1:-1])
     if inner is None:
       return None
-    return f"{label}({inner})" if inner else label
+    return f'"{label}"({inner})' if inner else f'"{label}"'
 
   def reduced(m: re.Match) -> str:
     n = name(m.group(1))
@@ -116,21 +130,20 @@ def module_key_text(debug_text: str) -> str:
   return "\n".join(_LOC_USE.sub(reduced, line) for line in lines)
 
 
-def entry_key(module_text: str, target_config: str, overrides: list[tuple[str, Any]]) -> str:
+def entry_key(module_text: str, target_config: str, compile_options: bytes) -> str:
   """The key of a compile: a sha256 of all it depends on (see the module's docstring);
-  `module_text` as `module_key_text` gives it."""
+  `module_text` as `module_key_text` gives it, `compile_options` serialized."""
   h = hashlib.sha256()
   for part in (
-    "optax_offload gpu program 1",
-    _versions(),
-    os.environ.get("XLA_FLAGS", ""),
-    repr(sorted((str(k), repr(v)) for k, v in overrides)),
-    target_config,
-    module_text,
+    FORMAT.encode(),
+    _versions().encode(),
+    _xla_flags().encode(),
+    compile_options,
+    target_config.encode(),
+    module_text.encode(),
   ):
-    data = part.encode()
-    h.update(len(data).to_bytes(8, "little"))
-    h.update(data)
+    h.update(len(part).to_bytes(8, "little"))
+    h.update(part)
   return h.hexdigest()
 
 
@@ -143,14 +156,14 @@ def load(cache_dir: str, key: str) -> dict[str, Any] | None:
   try:
     with gzip.open(_path(cache_dir, key), "rt", encoding="utf-8") as f:
       entry = json.load(f)
-  except (OSError, EOFError, ValueError):
+  except (OSError, EOFError, ValueError, zlib.error):  # gzip's errors, JSON's, a bad UTF-8
     return None
   return entry if isinstance(entry, dict) else None
 
 
 def store(cache_dir: str, key: str, entry: dict[str, Any]) -> None:
-  """Writes `entry` (JSON-able) under `key`: whole or not at all. A cache that cannot be written
-  is skipped, as JAX skips its own."""
+  """Writes `entry` (JSON-able) under `key`: whole or not at all, readable by other users as
+  JAX's entries are. A cache that cannot be written is skipped, as JAX skips its own."""
   try:
     os.makedirs(cache_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".optax_offload_gpu-", suffix=".tmp")
@@ -159,6 +172,7 @@ def store(cache_dir: str, key: str, entry: dict[str, Any]) -> None:
   try:
     with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1) as f:
       f.write(json.dumps(entry).encode())
+    os.chmod(tmp, 0o644)
     os.replace(tmp, _path(cache_dir, key))
   except OSError:
     try:

@@ -1,0 +1,105 @@
+"""The key and the entries of `program_cache` (what `compile_for_gpu` keeps in JAX's cache dir).
+
+`tests/test_gpu_program.py` compiles real programs through the cache; these read the key's
+reduction of MLIR locations and the entries' crash safety without compiling.
+"""
+
+import gzip
+import json
+
+import pytest
+
+from optax_offload._src import program_cache
+
+OP = "%0 = stablehlo.sine %arg0 : tensor<8xf32> loc({})"
+
+
+def module(loc_of_op: str, *defs: str) -> str:
+  return "\n".join([OP.format(loc_of_op), *defs])
+
+
+def test_the_python_traceback_leaves_the_key_and_the_names_stay():
+  # The same operation lowered from two callers: another chain of frames, other files and lines.
+  called_once = module(
+    "#loc4",
+    '#loc1 = loc("/work/tests/test_a.py":10:4 to :30)',
+    '#loc2 = loc("test_a"(#loc1))',
+    "#loc3 = loc(callsite(#loc2 at #loc2))",
+    '#loc4 = loc("jit(step)/sin"(#loc3))',
+  )
+  called_deeper = module(
+    "#loc9",
+    '#loc1 = loc("/ci/tests/test_a.py":12:4 to 13:2)',
+    '#loc2 = loc("test_a"(#loc1))',
+    '#loc5 = loc("/venv/_pytest/python.py":150:8)',
+    '#loc6 = loc("pytest_pyfunc_call"(#loc5))',
+    "#loc7 = loc(callsite(#loc6 at #loc2))",
+    "#loc8 = loc(callsite(#loc2 at #loc7))",
+    '#loc9 = loc("jit(step)/sin"(#loc8))',
+  )
+  reduced = program_cache.module_key_text(called_once)
+  assert reduced == OP.format('"jit(step)/sin"')
+  assert program_cache.module_key_text(called_deeper) == reduced
+  # Another name (a jax.named_scope): another op_name in the HLO, another key.
+  renamed = called_once.replace("jit(step)/sin", "jit(step)/scaled/sin")
+  assert program_cache.module_key_text(renamed) != reduced
+
+
+def test_names_are_kept_exactly():
+  nested = module('"a"(#loc1)', '#loc1 = loc("b"(#loc))', "#loc = loc(unknown)")
+  flat = module('"a(b)"')
+  escaped = module('"x\\"y"(#loc)', "#loc = loc(unknown)")
+  assert program_cache.module_key_text(nested) == OP.format('"a"("b")')
+  assert program_cache.module_key_text(flat) == OP.format('"a(b)"')
+  assert program_cache.module_key_text(escaped) == OP.format('"x\\"y"')
+  assert program_cache.module_key_text(module("unknown")) == OP.format("")
+
+
+def test_a_location_of_another_form_is_kept_as_it_is():
+  # MLIR's fused locations are not among the forms JAX writes: kept, frames and all (a miss
+  # between callers, never a hit between programs whose names differ).
+  fused = module("#loc3", '#loc1 = loc("a.py":1:2)', '#loc3 = loc(fused[#loc1, "n"])')
+  assert program_cache.module_key_text(fused) == OP.format("#loc3")
+
+
+def test_the_key_covers_every_input_of_the_compile():
+  base = ("module", "config", b"options")
+  key = program_cache.entry_key(*base)
+  assert key == program_cache.entry_key(*base)
+  for i, other in enumerate(("module2", "config2", b"options2")):
+    changed = list(base)
+    changed[i] = other
+    assert program_cache.entry_key(*changed) != key
+
+
+@pytest.mark.parametrize(
+  "damage",
+  ["truncated", "flipped", "not_gzip", "not_json", "a_list"],
+)
+def test_an_entry_that_cannot_be_read_is_a_miss(tmp_path, damage):
+  key = program_cache.entry_key("m", "c", b"o")
+  program_cache.store(str(tmp_path), key, {"hlo": "HloModule m" * 1000})
+  (path,) = tmp_path.glob(f"*{program_cache.SUFFIX}")
+  data = path.read_bytes()
+  if damage == "truncated":
+    data = data[: len(data) // 2]
+  elif damage == "flipped":  # the deflate stream itself: zlib's error, not gzip's CRC check
+    data = data[:40] + bytes([data[40] ^ 0xFF]) + data[41:]
+  elif damage == "not_gzip":
+    data = b"plain text"
+  elif damage == "not_json":
+    data = gzip.compress(b"{not json")
+  else:
+    data = gzip.compress(json.dumps([1, 2]).encode())
+  path.write_bytes(data)
+  assert program_cache.load(str(tmp_path), key) is None
+  program_cache.store(str(tmp_path), key, {"hlo": "again"})  # written again, whole
+  assert program_cache.load(str(tmp_path), key) == {"hlo": "again"}
+  assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+def test_a_cache_that_cannot_be_written_is_skipped(tmp_path):
+  blocked = tmp_path / "a_file"
+  blocked.write_text("")
+  program_cache.store(str(blocked / "cache"), "k", {"hlo": ""})  # no error
+  assert blocked.read_text() == ""
