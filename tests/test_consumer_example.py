@@ -361,6 +361,16 @@ def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(
     with pytest.raises(ValueError, match=r"nvme \(2 processes .* each plans with 1/2 of it") as e:
       offload().init(params)
   assert "the plan command with --nvme-size 1000000 counts the same" in str(e.value)
+  # The disk cannot be read: this process raises its error after the other learns of it.
+  gathers = []
+  monkeypatch.setattr(
+    multihost_utils, "process_allgather", lambda mine: gathers.append(mine) or np.stack([mine] * 2)
+  )
+  with monkeypatch.context() as m:
+    m.setattr(measure, "free_disk", lambda path: (_ for _ in ()).throw(PermissionError("disk")))
+    with pytest.raises(PermissionError, match="disk"):
+      offload().init(params)
+  assert len(gathers) == 1 and np.asarray(gathers[0]).view(np.int64)[-1] == 1
   # Plans that differ after all (another checksum of the groups): refused on every process.
   monkeypatch.setattr(
     multihost_utils,

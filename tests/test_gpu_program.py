@@ -159,7 +159,16 @@ def test_a_program_compiled_before_is_read_from_the_cache_dir(tmp_path, monkeypa
   config.write_text(gpu_program.target_config("h100_24gb"))
   assert not compiled(lambda x: jnp.tan(x), target=str(config)).cached  # for the 80 GB device
   assert not compiled(lambda x: jnp.tan(x), target="h100_24gb").cached
-  # The Python frames that lowered it are not in the program (they vary with the caller).
+  # The Python frames that lowered it are not in the program (they vary with the caller): its
+  # text is that of a step lowered without them.
+  limit = jax.config.jax_traceback_in_locations_limit
+  jax.config.update("jax_traceback_in_locations_limit", 0)
+  try:
+    without = compiled(lambda x: jnp.exp(x) * 3)
+  finally:
+    jax.config.update("jax_traceback_in_locations_limit", limit)
+  assert "FileNames" not in without.hlo and "stack_frame_id" not in without.hlo
+  assert compiled(lambda x: jnp.exp(x) * 3).hlo == without.hlo
   assert "FileNames" not in first.hlo and "stack_frame_id" not in first.hlo
   # A truncated entry (a process killed while it wrote, or a full disk), or one of another
   # format, is compiled again.

@@ -55,14 +55,21 @@ def test_names_are_kept_exactly():
   assert program_cache.module_key_text(module("unknown")) == OP.format("")
 
 
-def test_a_location_of_another_form_is_kept_as_it_is():
-  # MLIR's fused locations are not among the forms JAX writes: kept, frames and all (a miss
-  # between callers, never a hit between programs whose names differ).
-  fused = module("#loc3", '#loc1 = loc("a.py":1:2)', '#loc3 = loc(fused[#loc1, "n"])')
-  assert program_cache.module_key_text(fused) == OP.format("#loc3")
+def test_a_location_of_another_form_keeps_the_whole_text():
+  # MLIR's fused locations are not among the forms JAX writes: the text stays whole, frames and
+  # all (a miss between callers, never a hit between programs whose names or frames differ).
+  for loc_of_op, defs in [
+    ("#loc3", ['#loc1 = loc("a.py":1:2)', '#loc3 = loc(fused[#loc1, "n"])']),
+    ('"jit(f)/sin"(#loc3)', ['#loc1 = loc("a.py":1:2)', '#loc3 = loc(fused[#loc1, "n"])']),
+    ("fused[#loc1]", ['#loc1 = loc("jit(f)/sin")']),  # one written in the operation's line
+  ]:
+    text = module(loc_of_op, *defs)
+    assert program_cache.module_key_text(text) == text
+    other = text.replace('"n"', '"m"').replace("sin", "cos")
+    assert program_cache.module_key_text(other) != program_cache.module_key_text(text)
 
 
-def test_the_key_covers_every_input_of_the_compile():
+def test_the_key_covers_every_input_of_the_compile(monkeypatch):
   base = ("module", "config", b"options")
   key = program_cache.entry_key(*base)
   assert key == program_cache.entry_key(*base)
@@ -70,6 +77,14 @@ def test_the_key_covers_every_input_of_the_compile():
     changed = list(base)
     changed[i] = other
     assert program_cache.entry_key(*changed) != key
+  for name, other in [
+    ("FORMAT", "another format"),
+    ("_versions", lambda: "jaxlib==0.0.1"),
+    ("_xla_flags", lambda: "--xla_gpu_enable_triton_gemm=false"),
+  ]:
+    with monkeypatch.context() as m:
+      m.setattr(program_cache, name, other)
+      assert program_cache.entry_key(*base) != key, name
 
 
 @pytest.mark.parametrize(

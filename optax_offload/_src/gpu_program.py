@@ -417,14 +417,14 @@ def _cached_program(target: str, entry: Any) -> GpuProgram | None:
     fields = [f.name for f in dataclasses.fields(DeviceMemory)]
     memory = DeviceMemory(**{name: int(entry["memory"][name]) for name in fields})
     hlo, seconds = entry["hlo"], float(entry["compile_seconds"])
-  except (KeyError, TypeError, ValueError):  # None, or another format
+  except (KeyError, TypeError, ValueError, OverflowError):  # None, or another format
     return None
   return GpuProgram(target, memory, hlo, seconds, cached=True) if isinstance(hlo, str) else None
 
 
-_SOURCE_TABLE_RE = re.compile(
-  r"^(?:FileNames|FunctionNames|FileLocations|StackFrames)\n(?:\d+ .*\n)*\n?", re.M
-)
+_SOURCE_TABLES_RE = re.compile(
+  r"^(?:(?:FileNames|FunctionNames|FileLocations|StackFrames)\n(?:\d+ .*\n)*\n)+\n?", re.M
+)  # the tables, each and a blank line, and the blank line XLA prints after the last
 _STACK_FRAME_RE = re.compile(r" stack_frame_id=\d+|(?<=\{)stack_frame_id=\d+ ?")
 
 
@@ -434,12 +434,12 @@ def without_source_frames(hlo: str) -> str:
   program.
 
   Examples:
-    >>> tables = 'FileNames\n1 "a.py"\n\nStackFrames\n1 {file_location_id=1}\n\n'
-    >>> without_source_frames(tables + '%x = f32[] add(%a, %b), metadata={op_name="add" '
-    ...                       'stack_frame_id=1}')
-    '%x = f32[] add(%a, %b), metadata={op_name="add"}'
+    >>> tables = 'FileNames\n1 "a.py"\n\nStackFrames\n1 {file_location_id=1}\n\n\n'
+    >>> without_source_frames('HloModule m\n\n' + tables + '%x = f32[] add(%a, %b), '
+    ...                       'metadata={op_name="add" stack_frame_id=1}')
+    'HloModule m\n\n%x = f32[] add(%a, %b), metadata={op_name="add"}'
   """
-  return _STACK_FRAME_RE.sub("", _SOURCE_TABLE_RE.sub("", hlo))
+  return _STACK_FRAME_RE.sub("", _SOURCE_TABLES_RE.sub("", hlo))
 
 
 def shape_bytes(shape: str) -> int:

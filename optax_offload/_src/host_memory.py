@@ -240,7 +240,7 @@ def _disk_share(nvme_dir) -> tuple[int | None, str]:
       digest = hashlib.sha256(measure.file_system_id(nvme_dir).encode()).digest()
       mine = int.from_bytes(digest[:8], "little") >> 1 or 1
       free = measure.free_disk(nvme_dir)
-    except OSError as e:
+    except Exception as e:  # raised again by _agreed, on this process, as it is
       error = e
   every = _agreed([mine], error)[:, 0]
   sharers = int((every == mine).sum()) if mine else 1

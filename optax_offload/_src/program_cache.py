@@ -80,9 +80,9 @@ def module_key_text(debug_text: str) -> str:
   names XLA makes ``op_name``s of: the Python traceback of every operation (``callsite(...)``
   of its frames, and ``"file":line:col``) dropped, since it varies with the caller (pytest
   and pytest-xdist call a test through other frames) and reaches the compiled HLO only as its
-  tables of source frames and ``stack_frame_id``s, which `GpuProgram.hlo` leaves out. A
-  location of a form this does not know (``fused[...]``) is kept as it is: then a program
-  compiled from elsewhere is a miss, not a false hit.
+  tables of source frames and ``stack_frame_id``s, which `GpuProgram.hlo` leaves out. Where a
+  location has a form this does not know (``fused[...]``), the whole text is returned as it is:
+  then a program compiled from elsewhere is a miss, never a false hit.
 
   Examples:
     >>> text = '%0 = stablehlo.sine %arg0 loc(#loc4)\n#loc1 = loc("/a.py":1:2)\n' + (
@@ -100,7 +100,7 @@ def module_key_text(debug_text: str) -> str:
       lines.append(line)
   names: dict[str, str | None] = {}
 
-  def name(expr: str) -> str | None:  # None: a form not known, kept as it is
+  def name(expr: str) -> str | None:  # None: a form not known
     if expr.startswith("#loc"):
       if expr not in names:
         names[expr] = None  # (a cycle, which MLIR does not write, stays unknown)
@@ -127,7 +127,8 @@ def module_key_text(debug_text: str) -> str:
     n = name(m.group(1))
     return m.group(0) if n is None else f"loc({n})"
 
-  return "\n".join(_LOC_USE.sub(reduced, line) for line in lines)
+  text = "\n".join(_LOC_USE.sub(reduced, line) for line in lines)
+  return debug_text if "#loc" in text else text  # a location left unreduced: all of it
 
 
 def entry_key(module_text: str, target_config: str, compile_options: bytes) -> str:
@@ -147,6 +148,18 @@ def entry_key(module_text: str, target_config: str, compile_options: bytes) -> s
   return h.hexdigest()
 
 
+def _umask() -> int:
+  """This process's umask, read without setting it (Linux); 0o077 (private) where unknown."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except (OSError, ValueError, IndexError):
+    pass
+  return 0o077
+
+
 def _path(cache_dir: str, key: str) -> str:
   return os.path.join(cache_dir, f"optax_offload_gpu-{key}{SUFFIX}")
 
@@ -162,8 +175,9 @@ def load(cache_dir: str, key: str) -> dict[str, Any] | None:
 
 
 def store(cache_dir: str, key: str, entry: dict[str, Any]) -> None:
-  """Writes `entry` (JSON-able) under `key`: whole or not at all, readable by other users as
-  JAX's entries are. A cache that cannot be written is skipped, as JAX skips its own."""
+  """Writes `entry` (JSON-able) under `key`: whole or not at all, with the permissions the
+  process's umask gives new files (as JAX's entries). A cache that cannot be written is
+  skipped, as JAX skips its own."""
   try:
     os.makedirs(cache_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".optax_offload_gpu-", suffix=".tmp")
@@ -172,7 +186,7 @@ def store(cache_dir: str, key: str, entry: dict[str, Any]) -> None:
   try:
     with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1) as f:
       f.write(json.dumps(entry).encode())
-    os.chmod(tmp, 0o644)
+    os.chmod(tmp, 0o666 & ~_umask())
     os.replace(tmp, _path(cache_dir, key))
   except OSError:
     try:
