@@ -38,7 +38,7 @@ from typing import Any
 
 import jax
 
-FORMAT = "optax_offload gpu program 2"
+FORMAT = "optax_offload gpu program 3"
 """Part of every key: a new one when `compile_for_gpu` changes how it compiles or what it keeps."""
 SUFFIX = "-program"
 """Not JAX's ``-cache``: JAX's own eviction and tools leave these files alone."""
