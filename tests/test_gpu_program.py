@@ -5,7 +5,9 @@ device and host bytes (`memory_analysis`) and its schedule (which copies are in 
 update computes).
 """
 
+import dataclasses
 import gzip
+import json
 
 import jax
 import jax.numpy as jnp
@@ -164,15 +166,21 @@ def test_a_program_compiled_before_is_read_from_the_cache_dir(tmp_path, monkeypa
   limit = jax.config.jax_traceback_in_locations_limit
   jax.config.update("jax_traceback_in_locations_limit", 0)
   try:
-    without = compiled(lambda x: jnp.exp(x) * 3)
+    without = compiled(lambda x: jnp.exp(x) * 3)  # a new function: lowered afresh
   finally:
     jax.config.update("jax_traceback_in_locations_limit", limit)
-  assert "FileNames" not in without.hlo and "stack_frame_id" not in without.hlo
-  assert compiled(lambda x: jnp.exp(x) * 3).hlo == without.hlo
+  with_frames = compiled(lambda x: jnp.exp(x) * 3)
+  assert not without.cached and not with_frames.cached  # two compiles, not one read back
+  assert with_frames.hlo == without.hlo
   assert "FileNames" not in first.hlo and "stack_frame_id" not in first.hlo
   # A truncated entry (a process killed while it wrote, or a full disk), or one of another
   # format, is compiled again.
-  for damaged in (entry.read_bytes()[:100], gzip.compress(b'{"memory": {}, "hlo": 1}')):
+  overflowing = {"memory": {k: float("inf") for k in dataclasses.asdict(first.memory)}}
+  for damaged in (
+    entry.read_bytes()[:100],
+    gzip.compress(b'{"memory": {}, "hlo": 1}'),
+    gzip.compress(json.dumps({**overflowing, "hlo": "", "compile_seconds": 1}).encode()),
+  ):
     entry.write_bytes(damaged)
     rewritten = compiled()
     assert not rewritten.cached and rewritten.hlo == first.hlo

@@ -18,8 +18,9 @@ def module(loc_of_op: str, *defs: str) -> str:
   return "\n".join([OP.format(loc_of_op), *defs])
 
 
-def test_the_python_traceback_leaves_the_key_and_the_names_stay():
-  # The same operation lowered from two callers: another chain of frames, other files and lines.
+def test_the_callers_frames_leave_the_key_and_the_names_stay():
+  # The same operation lowered from two callers: another chain of frames, other files and lines;
+  # the innermost frame (test_a) is the same.
   called_once = module(
     "#loc4",
     '#loc1 = loc("/work/tests/test_a.py":10:4 to :30)',
@@ -38,11 +39,33 @@ def test_the_python_traceback_leaves_the_key_and_the_names_stay():
     '#loc9 = loc("jit(step)/sin"(#loc8))',
   )
   reduced = program_cache.module_key_text(called_once)
-  assert reduced == OP.format('"jit(step)/sin"')
+  assert reduced == OP.format('"jit(step)/sin"("test_a")')
   assert program_cache.module_key_text(called_deeper) == reduced
   # Another name (a jax.named_scope): another op_name in the HLO, another key.
   renamed = called_once.replace("jit(step)/sin", "jit(step)/scaled/sin")
   assert program_cache.module_key_text(renamed) != reduced
+  # A bare traceback: XLA names the operation after its innermost frame, and so does the key.
+  for function in ("alpha", "beta"):
+    bare = module(
+      "#loc3",
+      '#loc1 = loc("a.py":1:2)',
+      f'#loc2 = loc("{function}"(#loc1))',
+      "#loc3 = loc(callsite(#loc2 at #loc2))",
+    )
+    assert program_cache.module_key_text(bare) == OP.format(f'"{function}"')
+  # Written in the operation's line (block arguments): the same.
+  inline = module("callsite(#loc2 at #loc2)", '#loc1 = loc("a.py":1:2)', '#loc2 = loc("f"(#loc1))')
+  assert program_cache.module_key_text(inline) == OP.format('"f"')
+
+
+def test_strings_are_not_locations():
+  # An attribute whose text looks like a location is left as it is (a set_xla_metadata tag).
+  reduced = []
+  for tag in ("loc(unknown)", "loc()", "loc(#loc1)"):
+    text = f'%0 = stablehlo.sine %arg0 {{mhlo.frontend_attributes = {{tag = "{tag}"}}}} loc(#loc)'
+    reduced.append(program_cache.module_key_text(f"{text}\n#loc = loc(unknown)"))
+    assert f'tag = "{tag}"' in reduced[-1]
+  assert len(set(reduced)) == 3
 
 
 def test_names_are_kept_exactly():
@@ -65,7 +88,7 @@ def test_a_location_of_another_form_keeps_the_whole_text():
   ]:
     text = module(loc_of_op, *defs)
     assert program_cache.module_key_text(text) == text
-    other = text.replace('"n"', '"m"').replace("sin", "cos")
+    other = text.replace('"n"', '"m"').replace("jit(f)/sin", "jit(f)/cos")  # locations only
     assert program_cache.module_key_text(other) != program_cache.module_key_text(text)
 
 

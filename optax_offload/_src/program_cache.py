@@ -54,11 +54,13 @@ def directory() -> str | None:
 
 @functools.cache
 def _versions() -> str:
-  names = sorted(
-    f"{d.metadata['Name']}=={d.version}"
-    for d in importlib.metadata.distributions()
-    if (name := (d.metadata["Name"] or "").lower().replace("-", "_")).startswith("jax")
-    or name == "optax_offload"
+  names = sorted(  # a set: one distribution is found once per path that holds its metadata
+    {
+      f"{d.metadata['Name']}=={d.version}"
+      for d in importlib.metadata.distributions()
+      if (name := (d.metadata["Name"] or "").lower().replace("-", "_")).startswith("jax")
+      or name == "optax_offload"
+    }
   )
   return ";".join(names)
 
@@ -71,25 +73,31 @@ def _xla_flags() -> str:
 
 
 _LOC_DEF = re.compile(r"^#(loc\d*) = loc\((.*)\)$")
-_LOC_USE = re.compile(r'loc\((#loc\d*|unknown|"(?:[^"\\]|\\.)*"(?:\(#loc\d*\))?)\)')
+_LOC_USE = re.compile(  # a string (left as it is), or a location of a form JAX writes in a line
+  r'"(?:[^"\\]|\\.)*"'
+  r'|loc\((#loc\d*|unknown|callsite\(#loc\d* at #loc\d*\)|"(?:[^"\\]|\\.)*"(?:\(#loc\d*\))?)\)'
+)
+_CALLSITE = re.compile(r"callsite\((#loc\d*) at (#loc\d*)\)$")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"(.*)$', re.S)
 
 
 def module_key_text(debug_text: str) -> str:
   r"""The lowered module's text (``as_text(debug_info=True)``) with each location reduced to the
-  names XLA makes ``op_name``s of: the Python traceback of every operation (``callsite(...)``
-  of its frames, and ``"file":line:col``) dropped, since it varies with the caller (pytest
-  and pytest-xdist call a test through other frames) and reaches the compiled HLO only as its
-  tables of source frames and ``stack_frame_id``s, which `GpuProgram.hlo` leaves out. Where a
-  location has a form this does not know (``fused[...]``), the whole text is returned as it is:
-  then a program compiled from elsewhere is a miss, never a false hit.
+  names XLA makes ``op_name``s of: each Python traceback (``callsite(...)`` of its frames) is
+  reduced to its innermost frame's function name (XLA names an operation whose location is a
+  bare traceback by it), and ``"file":line:col`` is dropped, since the callers' frames vary
+  (pytest and pytest-xdist call a test through other frames) and reach the compiled HLO only as
+  its tables of source frames and ``stack_frame_id``s, which `GpuProgram.hlo` leaves out.
+  Strings (attributes) are left as they are. Where a location has a form this does not know
+  (``fused[...]``), the whole text is returned as it is: then a program compiled from elsewhere
+  is a miss, never a false hit.
 
   Examples:
     >>> text = '%0 = stablehlo.sine %arg0 loc(#loc4)\n#loc1 = loc("/a.py":1:2)\n' + (
     ...   '#loc2 = loc("f"(#loc1))\n#loc3 = loc(callsite(#loc2 at #loc2))\n'
     ...   '#loc4 = loc("jit(f)/sin"(#loc3))')
     >>> module_key_text(text)
-    '%0 = stablehlo.sine %arg0 loc("jit(f)/sin")'
+    '%0 = stablehlo.sine %arg0 loc("jit(f)/sin"("f"))'
   """
   defs, lines = {}, []
   for line in debug_text.splitlines():
@@ -106,8 +114,11 @@ def module_key_text(debug_text: str) -> str:
         names[expr] = None  # (a cycle, which MLIR does not write, stays unknown)
         names[expr] = name(defs[expr]) if expr in defs else None
       return names[expr]
-    if expr == "unknown" or expr.startswith("callsite("):
+    if expr == "unknown":
       return ""
+    callsite = _CALLSITE.match(expr)
+    if callsite:  # a traceback: its innermost frame, as XLA names an operation by the callee
+      return name(callsite.group(1))
     m = _QUOTED.match(expr)
     if m is None:
       return None
@@ -124,7 +135,7 @@ def module_key_text(debug_text: str) -> str:
     return f'"{label}"({inner})' if inner else f'"{label}"'
 
   def reduced(m: re.Match) -> str:
-    n = name(m.group(1))
+    n = None if m.group(1) is None else name(m.group(1))
     return m.group(0) if n is None else f"loc({n})"
 
   text = "\n".join(_LOC_USE.sub(reduced, line) for line in lines)
