@@ -58,6 +58,14 @@ def test_the_callers_frames_leave_the_key_and_the_names_stay():
   assert program_cache.module_key_text(inline) == OP.format('"f"')
 
 
+def test_an_operations_own_file_location_stays():
+  # A lowering rule may give an operation a bare "file":line:col (XLA writes it as the
+  # instruction's source_file and source_line); only a frame's, wrapped in its name, leaves.
+  for line in (1, 2):
+    own = module("#loc1", f'#loc1 = loc("/src/kernels.py":{line}:1)')
+    assert program_cache.module_key_text(own) == OP.format(f'"/src/kernels.py":{line}:1')
+
+
 def test_strings_are_not_locations():
   # An attribute whose text looks like a location is left as it is (a set_xla_metadata tag).
   reduced = []

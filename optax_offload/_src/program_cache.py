@@ -85,9 +85,10 @@ def module_key_text(debug_text: str) -> str:
   r"""The lowered module's text (``as_text(debug_info=True)``) with each location reduced to the
   names XLA makes ``op_name``s of: each Python traceback (``callsite(...)`` of its frames) is
   reduced to its innermost frame's function name (XLA names an operation whose location is a
-  bare traceback by it), and ``"file":line:col`` is dropped, since the callers' frames vary
-  (pytest and pytest-xdist call a test through other frames) and reach the compiled HLO only as
-  its tables of source frames and ``stack_frame_id``s, which `GpuProgram.hlo` leaves out.
+  bare traceback by it), and a frame's ``"file":line:col`` is dropped (an operation's own, which
+  XLA writes as its ``source_file`` and ``source_line``, is kept), since the callers' frames
+  vary (pytest and pytest-xdist call a test through other frames) and reach the compiled HLO
+  only as its tables of source frames and ``stack_frame_id``s, which `GpuProgram.hlo` leaves out.
   Strings (attributes) are left as they are. Where a location has a form this does not know
   (``fused[...]``), the whole text is returned as it is: then a program compiled from elsewhere
   is a miss, never a false hit.
@@ -106,14 +107,15 @@ def module_key_text(debug_text: str) -> str:
       defs["#" + m.group(1)] = m.group(2)
     else:
       lines.append(line)
-  names: dict[str, str | None] = {}
+  names: dict[tuple[str, bool], str | None] = {}
 
-  def name(expr: str) -> str | None:  # None: a form not known
+  def name(expr: str, frame: bool = False) -> str | None:  # None: a form not known
+    """`frame`: `expr` is what a name wraps, where a file location is a Python frame's."""
     if expr.startswith("#loc"):
-      if expr not in names:
-        names[expr] = None  # (a cycle, which MLIR does not write, stays unknown)
-        names[expr] = name(defs[expr]) if expr in defs else None
-      return names[expr]
+      if (expr, frame) not in names:
+        names[expr, frame] = None  # (a cycle, which MLIR does not write, stays unknown)
+        names[expr, frame] = name(defs[expr], frame) if expr in defs else None
+      return names[expr, frame]
     if expr == "unknown":
       return ""
     callsite = _CALLSITE.match(expr)
@@ -123,13 +125,13 @@ def module_key_text(debug_text: str) -> str:
     if m is None:
       return None
     label, rest = m.groups()
-    if rest.startswith(":"):  # "file":line:col
-      return ""
+    if rest.startswith(":"):  # "file":line:col: a frame's (a stack frame table's), or the
+      return "" if frame else expr  # operation's own, which XLA writes as its source_file/line
     if not rest:
       return f'"{label}"'
     if not (rest.startswith("(") and rest.endswith(")")):
       return None
-    inner = name(rest[1:-1])
+    inner = name(rest[1:-1], frame=True)
     if inner is None:
       return None
     return f'"{label}"({inner})' if inner else f'"{label}"'
