@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Any
 
+from optax_offload._src import measure
 from optax_offload._src import offloaded_scan as scan_lib
 from optax_offload._src import plan as plan_lib
 from optax_offload._src.plan import FUSED_GRAD_LAYERS_ON_DEVICE
@@ -101,9 +102,7 @@ def check_nvme_dir(nvme_dir: str | os.PathLike) -> str:
         "change its permissions."
       )
     return path
-  parent = os.path.dirname(path)
-  while not os.path.exists(parent):
-    parent = os.path.dirname(parent)
+  parent = measure.nearest_existing(os.path.dirname(path))
   if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
     raise ValueError(
       f"--nvme-dir {path} does not exist and cannot be created: {parent} is not a writable "

@@ -9,7 +9,6 @@ The `check_*` functions refuse, where the step is traced, what the plan did not 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import weakref
@@ -236,9 +235,8 @@ def _disk_share(nvme_dir) -> tuple[int | None, str]:
   system stops every process (`_agreed`)."""
   mine, free, error = 0, 0, None
   if nvme_dir is not None:
-    try:  # a 63-bit name of the file system; 0 is "none"
-      digest = hashlib.sha256(measure.file_system_id(nvme_dir).encode()).digest()
-      mine = int.from_bytes(digest[:8], "little") >> 1 or 1
+    try:  # a name of the file system; 0 is "none"
+      mine = zlib.crc32(measure.file_system_id(nvme_dir).encode()) + 1
       free = measure.free_disk(nvme_dir)
     except Exception as e:  # raised again by _agreed, on this process, as it is
       error = e

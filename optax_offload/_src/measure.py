@@ -2,7 +2,8 @@
 
 `Bandwidths` holds bytes per second of the links a step uses, with defaults for a typical PCIe 4.0
 machine; `measure_bandwidths` times this machine's link and disk; `free_disk` reads a file
-system's free space, `file_system_id` which processes share it. `estimate` is pure arithmetic on what these return.
+system's free space, `file_system_id` which processes share it. `estimate` is pure arithmetic on
+what these return.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def free_disk(path: str | os.PathLike) -> int:
     >>> free_disk("/no/such/directory/yet") > 0  # the root's file system
     True
   """
-  return shutil.disk_usage(_nearest_existing(path)).free
+  return shutil.disk_usage(nearest_existing(path)).free
 
 
 def file_system_id(path: str | os.PathLike) -> str:
@@ -191,10 +192,11 @@ def file_system_id(path: str | os.PathLike) -> str:
       machine = f.read().strip()
   except OSError:  # not Linux: the host's name
     machine = socket.gethostname()
-  return f"{machine}:{os.stat(_nearest_existing(path)).st_dev}"
+  return f"{machine}:{os.stat(nearest_existing(path)).st_dev}"
 
 
-def _nearest_existing(path: str | os.PathLike) -> str:
+def nearest_existing(path: str | os.PathLike) -> str:
+  """`path` (made absolute) if it exists, else its nearest existing parent."""
   p = os.path.abspath(os.fspath(path))
   while not os.path.exists(p):
     parent = os.path.dirname(p)

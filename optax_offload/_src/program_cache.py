@@ -77,7 +77,7 @@ _LOC_USE = re.compile(  # a string (left as it is), or a location of a form JAX 
   r'"(?:[^"\\]|\\.)*"'
   r'|loc\((#loc\d*|unknown|callsite\(#loc\d* at #loc\d*\)|"(?:[^"\\]|\\.)*"(?:\(#loc\d*\))?)\)'
 )
-_CALLSITE = re.compile(r"callsite\((#loc\d*) at (#loc\d*)\)$")
+_CALLSITE = re.compile(r"callsite\((#loc\d*) at #loc\d*\)$")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"(.*)$', re.S)
 
 
