@@ -79,6 +79,16 @@ pytest-xdist such tests run one after another in one worker (beside the other wo
 that no two of them share the machine's cores at the same time."""
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+    "--kill-trials",
+    type=int,
+    default=5,
+    help="child processes the random-SIGKILL test of the NVMe tier kills, each at a random "
+    "moment of its training (default 5: about 35 s; a soak: --kill-trials 50)",
+  )
+
+
 def pytest_configure(config):
   if OWN_CACHE is not None and not hasattr(config, "workerinput"):  # pytest-xdist's controller
     try:

@@ -386,12 +386,17 @@ def _joined_slices(data, name):
 
 
 @CHILD_PROCESSES
-def test_sigkill_at_random_moments_leaves_a_committed_generation(tmp_path):
+def test_sigkill_at_random_moments_leaves_a_committed_generation(tmp_path, pytestconfig):
+  # Each trial starts a child (7 s: imports, init, compiling the step with its callbacks) and kills
+  # it 0-0.5 s into training; `pytest --kill-trials N` runs more (a soak) or fewer.
+  trials = pytestconfig.getoption("--kill-trials")
+  if trials < 2:
+    pytest.fail("--kill-trials must be at least 2: the kills must land at different steps")
   steps = 400
   refs = _reference_states(60)
   rng = random.Random(0)
   seen, interrupted = [], 0
-  for trial in range(10):
+  for trial in range(trials):
     d = tmp_path / f"trial{trial}"
     proc = start_child("nvme_tier_child.py", "train", d, steps)
     expect_line(proc, "ready")

@@ -19,8 +19,7 @@ def module(loc_of_op: str, *defs: str) -> str:
 
 
 def test_the_callers_frames_leave_the_key_and_the_names_stay():
-  # The same operation lowered from two callers: another chain of frames, other files and lines;
-  # the innermost frame (test_a) is the same.
+  # The same operation lowered from two callers: another chain of frames, other files and lines.
   called_once = module(
     "#loc4",
     '#loc1 = loc("/work/tests/test_a.py":10:4 to :30)',
@@ -39,8 +38,12 @@ def test_the_callers_frames_leave_the_key_and_the_names_stay():
     '#loc9 = loc("jit(step)/sin"(#loc8))',
   )
   reduced = program_cache.module_key_text(called_once)
-  assert reduced == OP.format('"jit(step)/sin"("test_a")')
+  assert reduced == OP.format('"jit(step)/sin"')
   assert program_cache.module_key_text(called_deeper) == reduced
+  # Another innermost frame below the name: JAX reuses a jaxpr it traced once, with the frames of
+  # whichever caller traced it first (XLA's op_name is the name alone).
+  first_traced_elsewhere = called_once.replace('"test_a"', '"streamed_loss_fn"')
+  assert program_cache.module_key_text(first_traced_elsewhere) == reduced
   # Another name (a jax.named_scope): another op_name in the HLO, another key.
   renamed = called_once.replace("jit(step)/sin", "jit(step)/scaled/sin")
   assert program_cache.module_key_text(renamed) != reduced
@@ -80,10 +83,15 @@ def test_names_are_kept_exactly():
   nested = module('"a"(#loc1)', '#loc1 = loc("b"(#loc))', "#loc = loc(unknown)")
   flat = module('"a(b)"')
   escaped = module('"x\\"y"(#loc)', "#loc = loc(unknown)")
-  assert program_cache.module_key_text(nested) == OP.format('"a"("b")')
+  assert program_cache.module_key_text(nested) == OP.format('"a"')  # XLA stops at the first name
   assert program_cache.module_key_text(flat) == OP.format('"a(b)"')
   assert program_cache.module_key_text(escaped) == OP.format('"x\\"y"')
   assert program_cache.module_key_text(module("unknown")) == OP.format("")
+  # An op type (XLA's op_type) wraps the name: both stay, the frames below them leave.
+  typed = module('"scatter-add:"(#loc2)', '#loc2 = loc("jit(f)/scatter-add"(#loc1))')
+  frames = ["#loc1 = loc(callsite(#loc3 at #loc3))", '#loc3 = loc("f"("a.py":1:2))']
+  want = OP.format('"scatter-add:"("jit(f)/scatter-add")')
+  assert program_cache.module_key_text("\n".join([typed, *frames])) == want
 
 
 def test_a_location_of_another_form_keeps_the_whole_text():
@@ -93,6 +101,7 @@ def test_a_location_of_another_form_keeps_the_whole_text():
     ("#loc3", ['#loc1 = loc("a.py":1:2)', '#loc3 = loc(fused[#loc1, "n"])']),
     ('"jit(f)/sin"(#loc3)', ['#loc1 = loc("a.py":1:2)', '#loc3 = loc(fused[#loc1, "n"])']),
     ("fused[#loc1]", ['#loc1 = loc("jit(f)/sin")']),  # one written in the operation's line
+    ('"a"(#loc3)', ['#loc3 = loc("Sin:"(#loc4))', '#loc4 = loc("jit(f)/sin")']),  # a type below
   ]:
     text = module(loc_of_op, *defs)
     assert program_cache.module_key_text(text) == text
@@ -149,3 +158,39 @@ def test_a_cache_that_cannot_be_written_is_skipped(tmp_path):
   blocked.write_text("")
   program_cache.store(str(blocked / "cache"), "k", {"hlo": ""})  # no error
   assert blocked.read_text() == ""
+
+
+def test_a_pallas_kernels_locations_leave_the_key():
+  # A Triton kernel's IR travels as MLIR bytecode in its call's backend config, with the frames of
+  # whichever caller first traced the kernel in the process: the key reads it without them.
+  from jax._src.interpreters import mlir
+  from jax._src.lib.mlir import ir
+  from jaxlib.triton import dialect
+
+  def kernel_call(body_loc: str, op: str = "arith.addf") -> str:
+    ctx = mlir.JaxIrContext()
+    ctx.append_dialect_registry(mlir.upstream_dialects)
+    dialect.register_dialect(ctx)
+    ctx.load_all_available_dialects()
+    with ctx:
+      module = ir.Module.parse(
+        f"tt.func @k(%x: f32) {{\n  %y = {op} %x, %x : f32 loc({body_loc})\n  tt.return\n}}"
+      )
+      code = __import__("io").BytesIO()
+      module.operation.write_bytecode(code)
+    escaped = "".join(  # as MLIR prints a string attribute
+      chr(b) if 32 <= b < 127 and chr(b) not in '"\\' else f"\\{b:02X}" for b in code.getvalue()
+    )
+    return (
+      "%0 = stablehlo.custom_call @__gpu$xla.gpu.triton(%arg0) {mhlo.backend_config = "
+      f'{{debug = false, ir = "{escaped}", name = "k"}}}} : (tensor<8xf32>) -> tensor<8xf32> '
+      'loc("jit(f)/pallas_call")'
+    )
+
+  first = program_cache.module_key_text(kernel_call('"/src/llama.py":173:9'))
+  assert "ir_without_locations" in first
+  assert program_cache.module_key_text(kernel_call('"/tests/test_a.py":12:4')) == first
+  assert program_cache.module_key_text(kernel_call('"/a.py":1:2', "arith.mulf")) != first
+  # A blob that is not Triton IR stays as it is (a miss, never a false hit).
+  unreadable = kernel_call('"/a.py":1:2').split('ir = "')[0] + 'ir = "ML\\EFR\\00", name = "k"}'
+  assert program_cache.module_key_text(unreadable) == unreadable

@@ -5,13 +5,14 @@ calls the client itself (`_compat.compile_for_topology`). Where JAX's cache is o
 ``jax_compilation_cache_dir``, e.g. ``JAX_COMPILATION_CACHE_DIR``), this keeps what it read from
 each program (the buffer assignment's bytes, the scheduled HLO text and XLA's compile time) in that
 directory, one file per program, ``optax_offload_gpu-<sha256>-program``, gzipped JSON. The key is
-what the compile reads: the lowered module with its operations' names (`module_key_text`), the
-target config's text, the serialized compile options (with the XLA options given), ``XLA_FLAGS``
-as this process first read it (XLA reads it once, at start-up), and the versions of jax, jaxlib,
-the CUDA plugin and optax_offload. An entry that cannot be read is a miss and is written again;
-entries are written to a temporary file and renamed into place. JAX's own size bound
-(``jax_compilation_cache_max_size``) and minimum compile time do not apply to these files (the
-test suite's cache tidying does); a remote cache directory (``gs://...``) is not used for them.
+what the compile reads: the lowered module with its operations' names and its Pallas kernels'
+Triton IR, without Python frames (`module_key_text`), the target config's text, the serialized
+compile options (with the XLA options given), ``XLA_FLAGS`` as this process first read it (XLA
+reads it once, at start-up), and the versions of jax, jaxlib, the CUDA plugin and optax_offload.
+An entry that cannot be read is a miss and is written again; entries are written to a temporary
+file and renamed into place. JAX's own size bound (``jax_compilation_cache_max_size``) and minimum
+compile time do not apply to these files (the test suite's cache tidying does); a remote cache
+directory (``gs://...``) is not used for them.
 
 Examples:
   >>> import tempfile
@@ -79,26 +80,54 @@ _LOC_USE = re.compile(  # a string (left as it is), or a location of a form JAX 
 )
 _CALLSITE = re.compile(r"callsite\((#loc\d*) at #loc\d*\)$")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"(.*)$', re.S)
+_TRITON_IR = re.compile(r'\bir = "((?:[^"\\]|\\.)*)"')
+"""A Pallas kernel's serialized Triton IR, in a ``__gpu$xla.gpu.triton`` call's backend config."""
+_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2}|.)", re.S)
+
+
+def _string_bytes(literal: str) -> bytes:
+  """The bytes of an MLIR string literal's contents (``\\XX`` hex escapes, ``\\\\``, ``\\"``)."""
+  return _ESCAPE.sub(
+    lambda m: chr(int(m.group(1), 16)) if len(m.group(1)) == 2 else m.group(1), literal
+  ).encode("latin-1")
+
+
+def _kernel_key(m: re.Match) -> str:
+  """A Triton kernel's IR without its locations (hashed), or as it is where it cannot be read."""
+  from optax_offload._src import _compat
+
+  try:
+    text = _compat.triton_ir_without_locations(_string_bytes(m.group(1)))
+  except Exception:  # another encoding, or a jax without these names: the blob as it is (a miss)
+    return m.group(0)
+  return f'ir_without_locations = "{hashlib.sha256(text.encode()).hexdigest()}"'
 
 
 def module_key_text(debug_text: str) -> str:
   r"""The lowered module's text (``as_text(debug_info=True)``) with each location reduced to the
-  names XLA makes ``op_name``s of: each Python traceback (``callsite(...)`` of its frames) is
-  reduced to its innermost frame's function name (XLA names an operation whose location is a
-  bare traceback by it), and a frame's ``"file":line:col`` is dropped (an operation's own, which
-  XLA writes as its ``source_file`` and ``source_line``, is kept), since the callers' frames
-  vary (pytest and pytest-xdist call a test through other frames) and reach the compiled HLO
-  only as its tables of source frames and ``stack_frame_id``s, which `GpuProgram.hlo` leaves out.
-  Strings (attributes) are left as they are. Where a location has a form this does not know
-  (``fused[...]``), the whole text is returned as it is: then a program compiled from elsewhere
-  is a miss, never a false hit.
+  name XLA makes the operation's ``op_name`` of (``location_exporter.cc``): a name location is
+  its name alone (XLA does not look below it for the name; what is below, the Python traceback,
+  reaches the compiled HLO only as its tables of source frames and ``stack_frame_id``s, which
+  `GpuProgram.hlo` leaves out), a bare traceback (``callsite(...)``) its innermost frame's
+  function name (XLA names the operation by it), and an operation's own ``"file":line:col``
+  (which XLA writes as its ``source_file`` and ``source_line``) is kept. So the callers' frames
+  leave the key (pytest and pytest-xdist call a test through other frames), and so do the
+  frames JAX keeps in a jaxpr it traced once and reuses (a function's name there is that of
+  whichever caller traced it first in the process). Strings (attributes) are left as they are,
+  but for a Pallas kernel's Triton IR (MLIR bytecode), which is read and keyed without its
+  locations (`_compat.triton_ir_without_locations`). An op type's name (``"scatter-add:"``,
+  XLA's ``op_type``) is kept with what is below it. Where a location has a form this does not
+  know (``fused[...]``, an op type below a name), the whole text is returned as it is: then a
+  program compiled from elsewhere is a miss, never a false hit.
 
   Examples:
     >>> text = '%0 = stablehlo.sine %arg0 loc(#loc4)\n#loc1 = loc("/a.py":1:2)\n' + (
     ...   '#loc2 = loc("f"(#loc1))\n#loc3 = loc(callsite(#loc2 at #loc2))\n'
     ...   '#loc4 = loc("jit(f)/sin"(#loc3))')
     >>> module_key_text(text)
-    '%0 = stablehlo.sine %arg0 loc("jit(f)/sin"("f"))'
+    '%0 = stablehlo.sine %arg0 loc("jit(f)/sin")'
+    >>> module_key_text(text.replace("loc(#loc4)", "loc(#loc3)"))  # a bare traceback
+    '%0 = stablehlo.sine %arg0 loc("f")'
   """
   defs, lines = {}, []
   for line in debug_text.splitlines():
@@ -107,15 +136,14 @@ def module_key_text(debug_text: str) -> str:
       defs["#" + m.group(1)] = m.group(2)
     else:
       lines.append(line)
-  names: dict[tuple[str, bool], str | None] = {}
+  names: dict[str, str | None] = {}
 
-  def name(expr: str, frame: bool = False) -> str | None:  # None: a form not known
-    """`frame`: `expr` is what a name wraps, where a file location is a Python frame's."""
+  def name(expr: str) -> str | None:  # None: a form not known
     if expr.startswith("#loc"):
-      if (expr, frame) not in names:
-        names[expr, frame] = None  # (a cycle, which MLIR does not write, stays unknown)
-        names[expr, frame] = name(defs[expr], frame) if expr in defs else None
-      return names[expr, frame]
+      if expr not in names:
+        names[expr] = None  # (a cycle, which MLIR does not write, stays unknown)
+        names[expr] = name(defs[expr]) if expr in defs else None
+      return names[expr]
     if expr == "unknown":
       return ""
     callsite = _CALLSITE.match(expr)
@@ -125,21 +153,25 @@ def module_key_text(debug_text: str) -> str:
     if m is None:
       return None
     label, rest = m.groups()
-    if rest.startswith(":"):  # "file":line:col: a frame's (a stack frame table's), or the
-      return "" if frame else expr  # operation's own, which XLA writes as its source_file/line
+    if rest.startswith(":"):  # the operation's own "file":line:col (its source_file and line)
+      return expr
     if not rest:
       return f'"{label}"'
     if not (rest.startswith("(") and rest.endswith(")")):
       return None
-    inner = name(rest[1:-1], frame=True)
+    inner = name(rest[1:-1])
     if inner is None:
       return None
-    return f'"{label}"({inner})' if inner else f'"{label}"'
+    if label.endswith(":"):  # an op type (``op_type``): XLA names the operation by what is below
+      return f'"{label}"({inner})'
+    # What is below a name does not name the operation (only an op type below it would type it).
+    return None if ':"' in inner else f'"{label}"'
 
   def reduced(m: re.Match) -> str:
     n = None if m.group(1) is None else name(m.group(1))
     return m.group(0) if n is None else f"loc({n})"
 
+  lines = [_TRITON_IR.sub(_kernel_key, x) if "xla.gpu.triton" in x else x for x in lines]
   text = "\n".join(_LOC_USE.sub(reduced, line) for line in lines)
   return debug_text if "#loc" in text else text  # a location left unreduced: all of it
 
