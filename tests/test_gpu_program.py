@@ -169,7 +169,12 @@ def test_a_program_compiled_before_is_read_from_the_cache_dir(tmp_path, monkeypa
     without = compiled(lambda x: jnp.exp(x) * 3)  # a new function: lowered afresh
   finally:
     jax.config.update("jax_traceback_in_locations_limit", limit)
+  # Lowered with its frames: the same key, read back; compiled afresh (another cache dir), the
+  # same text.
+  assert compiled(lambda x: jnp.exp(x) * 3).cached
+  monkeypatch.setattr(program_cache, "directory", lambda: str(tmp_path / "another"))
   with_frames = compiled(lambda x: jnp.exp(x) * 3)
+  monkeypatch.setattr(program_cache, "directory", lambda: str(tmp_path))
   assert not without.cached and not with_frames.cached  # two compiles, not one read back
   assert with_frames.hlo == without.hlo
   assert "FileNames" not in first.hlo and "stack_frame_id" not in first.hlo
