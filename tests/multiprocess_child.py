@@ -17,6 +17,11 @@ offload's INFO log (what it planned) on stderr.
 --wide: one more leaf, 'wide' (64 x 200,000, sharded on its columns: 102 MB of Adam state in all,
 updated in row slices), and the NVMe store's options of `WIDE_NVME_OPTIONS`.
 
+--fused: instead, the llama decoder of tests/test_value_and_update.py with its layer stack in pinned
+host memory, sharded over the 4 devices, updated inside the backward pass (`value_and_update`,
+accumulate=2) by offloaded SGD with momentum (with --nvme: `NVME_HOST_LIMIT` and an NVMe tier); and
+plain optax on the device (`test_value_and_update.reference`), written as reference.npz.
+
 --steps N: train N steps instead (benchmarks/multiprocess.py), and write the median step time.
 --fault: the kill-one-process test. Short coordination timeouts (`FAULT_TIMEOUTS`); trains with
 global-norm clipping outside offload (an all-reduce across processes every step) for up to
@@ -44,6 +49,7 @@ process_id, num_processes, port, out_dir = (
   sys.argv[4],
 )
 FAULT = "--fault" in sys.argv[5:]
+FUSED = "--fused" in sys.argv[5:]
 STEPS = int(_option("--steps", 10))
 NVME = "--nvme" in sys.argv[5:]
 # Per process: the rest of the offloaded state (164 KiB in 1 process, 82 KiB in each of 2) fits, the
@@ -177,12 +183,7 @@ def main():
           args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt=oo.OffloadSave(state)),
         )
   kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.inner[0].mu)})
-  gathered = multihost_utils.process_allgather(params, tiled=True)
-  mu = multihost_utils.process_allgather(oo.to_inner(state, memory_kind="device")[0].mu, tiled=True)
-  flat = {
-    jax.tree_util.keystr(k): np.asarray(v)
-    for k, v in jax.tree_util.tree_leaves_with_path((gathered, mu))
-  }
+  flat = _flat((params, oo.to_inner(state, memory_kind="device")[0].mu))
   if process_id == 0:
     np.savez(os.path.join(out_dir, "result.npz"), **flat)
   files = []
@@ -209,6 +210,60 @@ def main():
     jax.distributed.shutdown()
 
 
+def fused_main():
+  import test_value_and_update as fused_tests  # (the decoder, its batches and its reference)
+
+  from benchmarks import llama
+  from benchmarks.stream_layers import streamed_loss_fn
+
+  auto = (jax.sharding.AxisType.Auto,)  # the loss's gathers resolve their own shardings
+  mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=auto)
+  cfg = llama.Config(d=64, layers=4, ffn=128, heads=4, vocab=256)
+  host_params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(0), np.float32))
+  specs = jax.tree.map(
+    lambda x: P(*[None] * (x.ndim - 1), "fsdp") if x.ndim > 1 else P(), host_params
+  )
+  params = jax.tree.map(lambda x, s: global_array(x, s, mesh), host_params, specs)
+  k, make = 2, lambda: optax.sgd(1e-2, momentum=0.9)
+  batches = [
+    global_array(np.stack([fused_tests.tokens(s, m, k) for m in range(k)]), P(), mesh)
+    for s in range(STEPS)
+  ]
+  want = _flat(fused_tests.reference(cfg, params, make(), master=None, k=k, clip=None, steps=STEPS))
+  if process_id == 0:
+    np.savez(os.path.join(out_dir, "reference.npz"), **want)
+  to_host = lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))  # noqa: E731
+  params = dict(params, layers=jax.tree.map(to_host, params["layers"]))
+  nvme = {"host_limit": NVME_HOST_LIMIT, "nvme_dir": os.path.join(out_dir, "nvme")} if NVME else {}
+  tx = oo.offload(make(), min_size=256, **nvme)
+  state = tx.init(params)
+  loss_fn = lambda p, t: streamed_loss_fn(cfg, p, t)  # noqa: E731
+  step = jax.jit(oo.value_and_update(loss_fn, tx, accumulate=k), donate_argnums=(0, 1))
+  for batch in batches:
+    _, params, state = step(params, state, batch)
+  kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(params["layers"])})
+  to_device = lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))  # noqa: E731
+  flat = _flat(jax.tree.map(to_device, params))
+  if process_id == 0:
+    np.savez(os.path.join(out_dir, "result.npz"), **flat)
+  if NVME:
+    oo.sync_nvme(state)
+  with open(os.path.join(out_dir, f"footprint_{process_id}.json"), "w") as f:
+    json.dump({"footprint": oo.footprint(state), "stack_memory_kinds": kinds}, f)
+  if NVME:
+    oo.close_nvme(state)
+  if num_processes > 1:
+    jax.distributed.shutdown()
+
+
+def _flat(tree):
+  """`tree` gathered from every process, as numpy arrays by key path."""
+  gathered = multihost_utils.process_allgather(tree, tiled=True)
+  return {
+    jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(gathered)
+  }
+
+
 def fault(step, params, state, host_params, mesh):
   """Trains until killed or failed; the error, if any, propagates (non-zero exit)."""
   grads = jax.tree.map(lambda x, s: global_array(x, s, mesh), make_grads(host_params, 0), SPECS)
@@ -225,7 +280,7 @@ def fault(step, params, state, host_params, mesh):
 
 if __name__ == "__main__":
   try:
-    main()
+    fused_main() if FUSED else main()
   except BaseException as e:
     if FAULT:
       log(f"failed: {type(e).__name__}: {e}")
