@@ -19,8 +19,9 @@ updated in row slices), and the NVMe store's options of `WIDE_NVME_OPTIONS`.
 
 --fused: instead, the llama decoder of tests/test_value_and_update.py with its layer stack in pinned
 host memory, sharded over the 4 devices, updated inside the backward pass (`value_and_update`,
-accumulate=2) by offloaded SGD with momentum (with --nvme: `NVME_HOST_LIMIT` and an NVMe tier); and
-plain optax on the device (`test_value_and_update.reference`), written as reference.npz.
+accumulate=2) by offloaded SGD with momentum (the state in pinned host memory: value_and_update
+refuses a mesh with it on NVMe); and plain optax on the device (`test_value_and_update.reference`),
+written as reference.npz.
 
 --steps N: train N steps instead (benchmarks/multiprocess.py), and write the median step time.
 --fault: the kill-one-process test. Short coordination timeouts (`FAULT_TIMEOUTS`); trains with
@@ -234,8 +235,7 @@ def fused_main():
     np.savez(os.path.join(out_dir, "reference.npz"), **want)
   to_host = lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))  # noqa: E731
   params = dict(params, layers=jax.tree.map(to_host, params["layers"]))
-  nvme = {"host_limit": NVME_HOST_LIMIT, "nvme_dir": os.path.join(out_dir, "nvme")} if NVME else {}
-  tx = oo.offload(make(), min_size=256, **nvme)
+  tx = oo.offload(make(), min_size=256)
   state = tx.init(params)
   loss_fn = lambda p, t: streamed_loss_fn(cfg, p, t)  # noqa: E731
   step = jax.jit(oo.value_and_update(loss_fn, tx, accumulate=k), donate_argnums=(0, 1))
@@ -246,12 +246,8 @@ def fused_main():
   flat = _flat(jax.tree.map(to_device, params))
   if process_id == 0:
     np.savez(os.path.join(out_dir, "result.npz"), **flat)
-  if NVME:
-    oo.sync_nvme(state)
   with open(os.path.join(out_dir, f"footprint_{process_id}.json"), "w") as f:
     json.dump({"footprint": oo.footprint(state), "stack_memory_kinds": kinds}, f)
-  if NVME:
-    oo.close_nvme(state)
   if num_processes > 1:
     jax.distributed.shutdown()
 

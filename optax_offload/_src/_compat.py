@@ -69,10 +69,6 @@ jax.stages.Lowered.compiler_ir        Same: ``compiler_ir(self, dialect: str | N
 jax.stages.Lowered.as_text            Same: ``as_text(self, dialect=None, *, debug_info=False)``;
 (gpu_program: program_cache's key)    with debug info, MLIR's locations as ``#locN = loc(...)``
                                       lines (names, ``callsite(...)``, ``"file":line:col``).
-jax._src.interpreters.mlir            Private, same: ``JaxIrContext()``, ``upstream_dialects``
-.JaxIrContext, .upstream_dialects,    and ``dialect.register_dialect(ctx)``, the context Pallas's
-jaxlib.triton.dialect                 Triton lowering builds (``_new_ir_context``) to write the
-(`triton_ir_without_locations`)       kernel's bytecode, in which it is read back.
 CUDA plugin (`check_gpu_compile_      ``jax_plugins.xla_cuda12`` (jax-cuda12-plugin/-pjrt ==
 support`)                             jax's version); 0.12 also ships a cuda13 plugin.
 jax._src.core.Primitive,              Private (`per_platform_callback`, for the NVMe tier's
@@ -296,24 +292,6 @@ def lowering_backend(client: Any):
     yield
   finally:
     mlir.ModuleContext.get_backend = original
-
-
-def triton_ir_without_locations(bytecode: bytes) -> str:
-  """The text of a Pallas kernel's Triton IR (the MLIR bytecode a ``__gpu$xla.gpu.triton`` call
-  carries) without its locations: the frames there are those of whichever caller first traced
-  the kernel in the process. Parsed in a context with the upstream and Triton dialects, as
-  Pallas's Triton lowering makes it (private: ``mlir.JaxIrContext``, ``mlir.upstream_dialects``,
-  ``jaxlib.triton.dialect``, jax 0.10.2 to 0.12.0.1). Raises where it cannot be read."""
-  from jax._src.interpreters import mlir
-  from jax._src.lib.mlir import ir
-  from jaxlib.triton import dialect
-
-  ctx = mlir.JaxIrContext()
-  ctx.append_dialect_registry(mlir.upstream_dialects)
-  dialect.register_dialect(ctx)
-  ctx.load_all_available_dialects()
-  with ctx:
-    return ir.Module.parse(bytecode).operation.get_asm(enable_debug_info=False)
 
 
 def compile_options(env_overrides=()) -> Any:

@@ -426,20 +426,24 @@ _SOURCE_TABLES_RE = re.compile(
   r"^(?:(?:FileNames|FunctionNames|FileLocations|StackFrames)\n(?:\d+ .*\n)*\n)+\n?", re.M
 )  # the tables, each and a blank line, and the blank line XLA prints after the last
 _STACK_FRAME_RE = re.compile(r" stack_frame_id=\d+|(?<=\{)stack_frame_id=\d+ ?")
+_EMPTY_METADATA_RE = re.compile(r", metadata=\{\}")
 
 
 def without_source_frames(hlo: str) -> str:
   r"""HLO text without its tables of Python source frames and the instructions' indices into them
   (``stack_frame_id``): they follow the Python call stack that lowered the step, not the
-  program.
+  program. An instruction whose metadata held only an index (XLA copies one onto constants and
+  expanded scatters) is then printed without metadata, as when it was lowered without frames.
 
   Examples:
     >>> tables = 'FileNames\n1 "a.py"\n\nStackFrames\n1 {file_location_id=1}\n\n\n'
     >>> without_source_frames('HloModule m\n\n' + tables + '%x = f32[] add(%a, %b), '
     ...                       'metadata={op_name="add" stack_frame_id=1}')
     'HloModule m\n\n%x = f32[] add(%a, %b), metadata={op_name="add"}'
+    >>> without_source_frames('%c = s32[] constant(9), metadata={stack_frame_id=2}')
+    '%c = s32[] constant(9)'
   """
-  return _STACK_FRAME_RE.sub("", _SOURCE_TABLES_RE.sub("", hlo))
+  return _EMPTY_METADATA_RE.sub("", _STACK_FRAME_RE.sub("", _SOURCE_TABLES_RE.sub("", hlo)))
 
 
 def shape_bytes(shape: str) -> int:

@@ -5,8 +5,8 @@ calls the client itself (`_compat.compile_for_topology`). Where JAX's cache is o
 ``jax_compilation_cache_dir``, e.g. ``JAX_COMPILATION_CACHE_DIR``), this keeps what it read from
 each program (the buffer assignment's bytes, the scheduled HLO text and XLA's compile time) in that
 directory, one file per program, ``optax_offload_gpu-<sha256>-program``, gzipped JSON. The key is
-what the compile reads: the lowered module with its operations' names and its Pallas kernels'
-Triton IR, without Python frames (`module_key_text`), the target config's text, the serialized
+what the compile reads, less the callers' Python frames: the lowered module with the names XLA
+gives its operations (`module_key_text`), the target config's text, the serialized
 compile options (with the XLA options given), ``XLA_FLAGS`` as this process first read it (XLA
 reads it once, at start-up), and the versions of jax, jaxlib, the CUDA plugin and optax_offload.
 An entry that cannot be read is a miss and is written again; entries are written to a temporary
@@ -39,7 +39,7 @@ from typing import Any
 
 import jax
 
-FORMAT = "optax_offload gpu program 3"
+FORMAT = "optax_offload gpu program 4"
 """Part of every key: a new one when `compile_for_gpu` changes how it compiles or what it keeps."""
 SUFFIX = "-program"
 """Not JAX's ``-cache``: JAX's own eviction and tools leave these files alone."""
@@ -80,45 +80,24 @@ _LOC_USE = re.compile(  # a string (left as it is), or a location of a form JAX 
 )
 _CALLSITE = re.compile(r"callsite\((#loc\d*) at #loc\d*\)$")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"(.*)$', re.S)
-_TRITON_IR = re.compile(r'\bir = "((?:[^"\\]|\\.)*)"')
-"""A Pallas kernel's serialized Triton IR, in a ``__gpu$xla.gpu.triton`` call's backend config."""
-_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2}|.)", re.S)
-
-
-def _string_bytes(literal: str) -> bytes:
-  """The bytes of an MLIR string literal's contents (``\\XX`` hex escapes, ``\\\\``, ``\\"``)."""
-  return _ESCAPE.sub(
-    lambda m: chr(int(m.group(1), 16)) if len(m.group(1)) == 2 else m.group(1), literal
-  ).encode("latin-1")
-
-
-def _kernel_key(m: re.Match) -> str:
-  """A Triton kernel's IR without its locations (hashed), or as it is where it cannot be read."""
-  from optax_offload._src import _compat
-
-  try:
-    text = _compat.triton_ir_without_locations(_string_bytes(m.group(1)))
-  except Exception:  # another encoding, or a jax without these names: the blob as it is (a miss)
-    return m.group(0)
-  return f'ir_without_locations = "{hashlib.sha256(text.encode()).hexdigest()}"'
 
 
 def module_key_text(debug_text: str) -> str:
-  r"""The lowered module's text (``as_text(debug_info=True)``) with each location reduced to the
-  name XLA makes the operation's ``op_name`` of (``location_exporter.cc``): a name location is
-  its name alone (XLA does not look below it for the name; what is below, the Python traceback,
+  r"""The lowered module's text (``as_text(debug_info=True)``) with each location reduced to what
+  XLA makes the operation's metadata of (``location_exporter.cc``): a name location is its name
+  alone (XLA does not look below a name for ``op_name``; what is below, the Python traceback,
   reaches the compiled HLO only as its tables of source frames and ``stack_frame_id``s, which
   `GpuProgram.hlo` leaves out), a bare traceback (``callsite(...)``) its innermost frame's
-  function name (XLA names the operation by it), and an operation's own ``"file":line:col``
-  (which XLA writes as its ``source_file`` and ``source_line``) is kept. So the callers' frames
-  leave the key (pytest and pytest-xdist call a test through other frames), and so do the
-  frames JAX keeps in a jaxpr it traced once and reuses (a function's name there is that of
-  whichever caller traced it first in the process). Strings (attributes) are left as they are,
-  but for a Pallas kernel's Triton IR (MLIR bytecode), which is read and keyed without its
-  locations (`_compat.triton_ir_without_locations`). An op type's name (``"scatter-add:"``,
-  XLA's ``op_type``) is kept with what is below it. Where a location has a form this does not
-  know (``fused[...]``, an op type below a name), the whole text is returned as it is: then a
-  program compiled from elsewhere is a miss, never a false hit.
+  function name (XLA names the operation by it), an op type's name (ending in ``:`` before any
+  ``@``, e.g. ``"scatter-add:"``: XLA's ``op_type``) is kept with what is below it, and an
+  operation's own ``"file":line:col`` (which XLA writes as its ``source_file`` and
+  ``source_line``) is kept. So the callers' frames leave the key (pytest and pytest-xdist call a
+  test through other frames), and so do the frames JAX keeps in a jaxpr it traced once and
+  reuses (a function's name there is that of whichever caller traced it first in the process).
+  Strings (attributes, a Pallas kernel's serialized IR) are left as they are. Where a location
+  has a form this does not know (``fused[...]``, an op type below a name, which XLA reads as the
+  operation's type), the whole text is returned as it is: then a program compiled from
+  elsewhere is a miss, never a false hit.
 
   Examples:
     >>> text = '%0 = stablehlo.sine %arg0 loc(#loc4)\n#loc1 = loc("/a.py":1:2)\n' + (
@@ -136,16 +115,17 @@ def module_key_text(debug_text: str) -> str:
       defs["#" + m.group(1)] = m.group(2)
     else:
       lines.append(line)
-  names: dict[str, str | None] = {}
+  names: dict[str, tuple[str, bool] | None] = {}
 
-  def name(expr: str) -> str | None:  # None: a form not known
+  def name(expr: str) -> tuple[str, bool] | None:
+    """`expr` reduced, and whether it holds an op type; None: a form not known."""
     if expr.startswith("#loc"):
       if expr not in names:
         names[expr] = None  # (a cycle, which MLIR does not write, stays unknown)
         names[expr] = name(defs[expr]) if expr in defs else None
       return names[expr]
     if expr == "unknown":
-      return ""
+      return "", False
     callsite = _CALLSITE.match(expr)
     if callsite:  # a traceback: its innermost frame, as XLA names an operation by the callee
       return name(callsite.group(1))
@@ -154,24 +134,21 @@ def module_key_text(debug_text: str) -> str:
       return None
     label, rest = m.groups()
     if rest.startswith(":"):  # the operation's own "file":line:col (its source_file and line)
-      return expr
-    if not rest:
-      return f'"{label}"'
-    if not (rest.startswith("(") and rest.endswith(")")):
-      return None
-    inner = name(rest[1:-1])
+      return expr, False
+    inner = ("", False) if not rest else None
+    if rest and rest.startswith("(") and rest.endswith(")"):
+      inner = name(rest[1:-1])
     if inner is None:
       return None
-    if label.endswith(":"):  # an op type (``op_type``): XLA names the operation by what is below
-      return f'"{label}"({inner})'
-    # What is below a name does not name the operation (only an op type below it would type it).
-    return None if ':"' in inner else f'"{label}"'
+    if label.split("@", 1)[0].endswith(":"):  # an op type: XLA names the operation from below
+      return (f'"{label}"({inner[0]})' if rest else f'"{label}"'), True
+    # What is below a name does not name the operation; an op type there would type it.
+    return None if inner[1] else (f'"{label}"', False)
 
   def reduced(m: re.Match) -> str:
     n = None if m.group(1) is None else name(m.group(1))
-    return m.group(0) if n is None else f"loc({n})"
+    return m.group(0) if n is None else f"loc({n[0]})"
 
-  lines = [_TRITON_IR.sub(_kernel_key, x) if "xla.gpu.triton" in x else x for x in lines]
   text = "\n".join(_LOC_USE.sub(reduced, line) for line in lines)
   return debug_text if "#loc" in text else text  # a location left unreduced: all of it
 
