@@ -135,9 +135,12 @@ def module_key_text(debug_text: str) -> str:
     label, rest = m.groups()
     if rest.startswith(":"):  # the operation's own "file":line:col (its source_file and line)
       return expr, False
-    inner = ("", False) if not rest else None
-    if rest and rest.startswith("(") and rest.endswith(")"):
+    if not rest:
+      inner = ("", False)
+    elif rest.startswith("(") and rest.endswith(")"):
       inner = name(rest[1:-1])
+    else:
+      return None
     if inner is None:
       return None
     if label.split("@", 1)[0].endswith(":"):  # an op type: XLA names the operation from below
