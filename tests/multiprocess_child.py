@@ -19,8 +19,9 @@ updated in row slices), and the NVMe store's options of `WIDE_NVME_OPTIONS`.
 
 --fused: instead, the llama decoder of tests/test_value_and_update.py with its layer stack in pinned
 host memory, sharded over the 4 devices, updated inside the backward pass (`value_and_update`,
-accumulate=2) by offloaded SGD with momentum (the state in pinned host memory: value_and_update
-refuses a mesh with it on NVMe); and plain optax on the device (`test_value_and_update.reference`),
+accumulate=2) by offloaded SGD with momentum, planned by offload(host_memory=...) from this
+process's shards (the state in pinned host memory: value_and_update refuses a mesh with it on
+NVMe); and plain optax on the device (`test_value_and_update.reference`),
 written as reference.npz.
 
 --steps N: train N steps instead (benchmarks/multiprocess.py), and write the median step time.
@@ -216,6 +217,7 @@ def fused_main():
 
   from benchmarks import llama
   from benchmarks.stream_layers import streamed_loss_fn
+  from optax_offload._src import memory
 
   auto = (jax.sharding.AxisType.Auto,)  # the loss's gathers resolve their own shardings
   mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices(), axis_types=auto)
@@ -235,7 +237,19 @@ def fused_main():
     np.savez(os.path.join(out_dir, "reference.npz"), **want)
   to_host = lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))  # noqa: E731
   params = dict(params, layers=jax.tree.map(to_host, params["layers"]))
-  tx = oo.offload(make(), min_size=256)
+  # The run's pinned host memory planned per process: its shards of the stack's weights and of
+  # their float32 accumulators, and its shards of the momentum of the leaves offload takes (half
+  # of what a plan of the whole stack would need for the stack).
+  held = lambda xs: sum(memory.held_bytes(x) for x in xs)  # noqa: E731
+  momentum = held(x for x in jax.tree.leaves(params) if x.size >= 256)
+  budget = memory.pinned_host_bytes(exclude=params) + 2 * held(jax.tree.leaves(params["layers"]))
+  tx = oo.offload(make(), min_size=256, host_memory=budget + momentum - 1, accumulate=k)
+  try:  # a byte less: refused on both processes, at once
+    tx.init(params)
+    raise AssertionError("host_memory a byte short of the plan was not refused")
+  except ValueError as e:
+    assert "does not fit this model's plan" in str(e), e
+  tx = oo.offload(make(), min_size=256, host_memory=budget + momentum, accumulate=k)
   state = tx.init(params)
   loss_fn = lambda p, t: streamed_loss_fn(cfg, p, t)  # noqa: E731
   step = jax.jit(oo.value_and_update(loss_fn, tx, accumulate=k), donate_argnums=(0, 1))

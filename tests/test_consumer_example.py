@@ -258,7 +258,7 @@ def test_offload_takes_the_runs_host_memory_in_all(tmp_path):
     small.init(params)
 
 
-def test_host_memory_counts_a_resumed_stores_files_as_room(tmp_path, monkeypatch):
+def test_host_memory_counts_a_resumed_stores_files_as_room(tmp_path):
   # A resumed store writes its next generations over the ones it keeps: their blocks are room.
   import dataclasses
   import os
@@ -281,13 +281,13 @@ def test_host_memory_counts_a_resumed_stores_files_as_room(tmp_path, monkeypatch
   assert host_memory._short_of_disk(dataclasses.replace(short, needed=short.needed + 1), str(store))
   assert host_memory._short_of_disk(short, str(tmp_path / "process_1"))
 
-  # A layer stack in pinned host memory is planned whole, in one process: a multi-process run is
-  # refused, with what to pass instead (params on the device: tests/test_multiprocess.py).
-  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  # A layer stack in pinned host memory is planned from this process's shards (across processes:
+  # tests/test_multiprocess.py); one replicated on two of its devices is refused, with what to do.
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  pinned = jax.NamedSharding(mesh, jax.P(), memory_kind="pinned_host")
   stack = jax.device_put(jax.numpy.ones((4, 64, 128)), pinned)
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
   tx = oo.offload(optax.adam(1e-3), host_memory="1GiB")
-  with pytest.raises(NotImplementedError, match="layer stack .* host_limit"):
+  with pytest.raises(NotImplementedError, match="replicated on several .* shard the layer stack"):
     tx.init({"w": stack})
 
 

@@ -178,8 +178,10 @@ def test_the_fused_step_across_processes_is_plain_optax_within_an_ulp(tmp_path):
   within one ulp. (The programs' gradient collectives differ and gloo sums them in its own order:
   2 of 250,000 elements differed by an ulp when this was written, in 'embed' and 'wv'; in one
   process with 4 devices the two gave the same bits, checked once by hand.) Each process holds
-  its half of the state in pinned host memory. (With the state on NVMe, value_and_update refuses a mesh:
-  `nvme_tier.layers`.)"""
+  its half of the state in pinned host memory, planned by `offload(host_memory=...)` from its
+  shards: exactly its shards of the stack's weights and accumulators and of the momentum fit, a
+  byte less is refused on both processes (asserted in the child). (With the state on NVMe,
+  value_and_update refuses a mesh: `nvme_tier.layers`.)"""
   fps = _run(2, tmp_path, "--fused", "--steps", "2")
   want, got = np.load(tmp_path / "reference.npz"), np.load(tmp_path / "result.npz")
   assert sorted(want.files) == sorted(got.files)

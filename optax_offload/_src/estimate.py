@@ -77,8 +77,9 @@ class Estimate:
   """What `offload` will put where, whether it fits, and the fastest a step can be.
 
   All sizes are bytes per process. Params and gradients count whole (unsharded); for shapes
-  with shardings, the optimizer state counts what this process holds, as `footprint` does (its
-  shards, and a replicated array once per local device), and the window one device's share.
+  with shardings, the optimizer state and a layer stack in pinned host memory (its weights,
+  gradients and accumulators) count what this process holds, as `footprint` does (its shards, and
+  a replicated array once per local device), and the window one device's share.
   ``str(estimate)`` is the report that ``python -m optax_offload plan`` prints.
 
   Attributes:
@@ -623,8 +624,10 @@ def estimate(
     tx = optimizer if opt is None else opt.factory()
     tree = _param_tree(params)
     derived = _derive(tree, tx, master, moments, min_size)
+    # The stack's weights in this process's pinned host memory: its shards (of a multi-process
+    # mesh), as its gradients and accumulators will be.
     stack = [
-      (_nbytes(x), x.shape[0], math.prod(x.shape))
+      (memory.held_bytes(x), x.shape[0], memory.held_bytes(x) // jnp.dtype(x.dtype).itemsize)
       for x in jax.tree.leaves(tree)
       if _in_pinned_host(x)
     ]

@@ -69,18 +69,12 @@ class HostMemory:
 
     leaves = jax.tree.leaves(abstract)
     on_host = [x for x in leaves if estimate._in_pinned_host(x)]
-    if on_host and jax.process_count() > 1:
-      raise NotImplementedError(
-        "offload(host_memory=...) with a layer stack in pinned host memory plans its weights "
-        "whole, not one process's shards; in a multi-process run give each process "
-        "host_limit instead (the state's host budget per process)."
-      )
     held = sum(memory.held_bytes(x) for x in on_host)
-    if held > sum(map(estimate._nbytes, on_host)):
+    if any(map(_replicated_here, on_host)):
       raise NotImplementedError(
         "offload(host_memory=...): a leaf of the params in pinned host memory is replicated on "
-        "several devices, and the plan counts it once; shard the layer stack (or keep one "
-        "device), or pass host_limit=oo.estimate(...).host_bytes and leave room for the copies."
+        "several of this process's devices, which the plan does not count; shard the layer "
+        "stack (or keep one device per process), or pass host_limit=oo.estimate(...).host_bytes and leave room for the copies."
       )
     # Live arrays beside the params: another offload's state, a copy of the params. Abstract
     # params (`abstract_state`) may describe live arrays: those of their shapes count out once.
@@ -291,6 +285,13 @@ def _fingerprint(plan) -> int:
   if plan is None:
     return 0
   return zlib.crc32(repr((plan.tiers, plan.units, plan.window_bytes)).encode())
+
+
+def _replicated_here(x) -> bool:
+  """Whether two of this process's devices hold the same shard of `x` (a replicated axis)."""
+  indices = x.sharding.addressable_devices_indices_map(tuple(x.shape)).values()
+  distinct = {tuple((s.start, s.stop, s.step) for s in index) for index in indices}
+  return len(distinct) < len(indices)
 
 
 def _live_described(abstract: list) -> list:
