@@ -6,6 +6,8 @@ reduction of MLIR locations and the entries' crash safety without compiling.
 
 import gzip
 import json
+import os
+import time
 
 import pytest
 
@@ -164,3 +166,15 @@ def test_a_cache_that_cannot_be_written_is_skipped(tmp_path):
   blocked.write_text("")
   program_cache.store(str(blocked / "cache"), "k", {"hlo": ""})  # no error
   assert blocked.read_text() == ""
+
+
+def test_a_killed_writers_temporary_file_is_removed_an_hour_later(tmp_path):
+  stale, fresh = tmp_path / ".optax_offload_gpu-a.tmp", tmp_path / ".optax_offload_gpu-b.tmp"
+  other = tmp_path / ".other-c.tmp"  # not ours
+  for p in (stale, fresh, other):
+    p.write_bytes(b"half an entry")
+  old = time.time() - program_cache.STALE_TMP_S - 60
+  os.utime(stale, (old, old))
+  os.utime(other, (old, old))
+  program_cache.store(str(tmp_path), "k", {"hlo": ""})
+  assert not stale.exists() and fresh.exists() and other.exists()

@@ -10,7 +10,7 @@ gives its operations (`module_key_text`), the target config's text, the serializ
 compile options (with the XLA options given), ``XLA_FLAGS`` as this process first read it (XLA
 reads it once, at start-up), and the versions of jax, jaxlib, the CUDA plugin and optax_offload.
 An entry that cannot be read is a miss and is written again; entries are written to a temporary
-file and renamed into place. JAX's own size bound (``jax_compilation_cache_max_size``) and minimum
+file and renamed into place (one a killed writer left is removed an hour later). JAX's own size bound (``jax_compilation_cache_max_size``) and minimum
 compile time do not apply to these files (the test suite's cache tidying does); a remote cache
 directory (``gs://...``) is not used for them.
 
@@ -34,6 +34,7 @@ import json
 import os
 import re
 import tempfile
+import time
 import zlib
 from typing import Any
 
@@ -199,15 +200,33 @@ def load(cache_dir: str, key: str) -> dict[str, Any] | None:
   return entry if isinstance(entry, dict) else None
 
 
+_TMP_PREFIX = ".optax_offload_gpu-"
+STALE_TMP_S = 3600
+"""A temporary file of `store` older than this is a killed writer's: the next store removes it."""
+
+
+def _remove_stale_temporaries(cache_dir: str) -> None:
+  """Removes the temporary files that writers killed mid-write left (older than `STALE_TMP_S`)."""
+  try:
+    with os.scandir(cache_dir) as entries:
+      for entry in entries:
+        if entry.name.startswith(_TMP_PREFIX) and entry.name.endswith(".tmp"):
+          if time.time() - entry.stat().st_mtime > STALE_TMP_S:
+            os.remove(entry.path)
+  except OSError:  # another process removed it first, or the directory cannot be read
+    pass
+
+
 def store(cache_dir: str, key: str, entry: dict[str, Any]) -> None:
   """Writes `entry` (JSON-able) under `key`: whole or not at all, with the permissions the
   process's umask gives new files (as JAX's entries). A cache that cannot be written is
   skipped, as JAX skips its own."""
   try:
     os.makedirs(cache_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".optax_offload_gpu-", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=_TMP_PREFIX, suffix=".tmp")
   except OSError:
     return
+  _remove_stale_temporaries(cache_dir)
   try:
     with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1) as f:
       f.write(json.dumps(entry).encode())
