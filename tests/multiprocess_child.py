@@ -14,6 +14,8 @@ lists the shard files of this process's last generation.
 offload's INFO log (what it planned) on stderr.
 --hold-on-0 SIZE: process 0 holds an array of SIZE bytes in pinned host memory before init.
 --nvme-dir-on-1 DIR: process 1's nvme_dir (with --nvme), instead of OUT_DIR/nvme.
+--lock-on-1: process 1's NVMe store directory is locked (another store's) at the first init,
+which both processes log ("init refused: ...") before training with the lock released.
 --wide: one more leaf, 'wide' (64 x 200,000, sharded on its columns: 102 MB of Adam state in all,
 updated in row slices), and the NVMe store's options of `WIDE_NVME_OPTIONS`.
 
@@ -35,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import pathlib
 import sys
 import time
 
@@ -148,6 +151,20 @@ def main():
     pinned = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind="pinned_host")
     held = jax.device_put(np.zeros(HOLD_ON_0, np.uint8), pinned)
   tx = oo.offload(optax.adamw(1e-2), window_bytes=100_000, **nvme)
+  if "--lock-on-1" in sys.argv:  # init stops on both processes, then goes on once it is released
+    from optax_offload._src.nvme import files
+    from optax_offload._src.nvme_tier import process_directory
+
+    store_dir = pathlib.Path(process_directory(nvme["nvme_dir"]))
+    store_dir.mkdir(parents=True, exist_ok=True)
+    lock = files.DirectoryLock(store_dir) if process_id == 1 else None
+    try:
+      tx.init(params)
+      raise AssertionError("init went on with process 1's NVMe store directory locked")
+    except (RuntimeError, ValueError) as e:
+      log(f"init refused: {type(e).__name__}: {e}")
+    if lock is not None:
+      lock.release()
   if FAULT:  # clipping outside offload: every step all-reduces across the processes
     tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
   state = tx.init(params)

@@ -142,11 +142,17 @@ def test_host_memory_plans_every_process_with_the_least_room(tmp_path):
   alone = _footprints(2, tmp_path / "alone")
   assert [f["footprint"]["nvme"] for f in alone] == [0, 0]  # all of it fits in RAM
   # Process 0 holds 20 MB more in pinned host memory: its 'wide' state goes to NVMe, and process
-  # 1's too, though it would fit there.
-  fps = _run(
+  # 1's too, though it would fit there. At the first init process 1's store directory is locked
+  # (after the processes agreed on the plan): both stop at once, then train once it is released.
+  runs = _run(
     2, tmp_path / "held", "--wide", "--steps", "1", "--nvme", "--host-memory", str(room),
-    "--hold-on-0", "20000000",
+    "--hold-on-0", "20000000", "--lock-on-1", check=False,
   )  # fmt: skip
+  for code, err in runs:
+    assert code == 0, err[-3000:]
+  assert "init refused: ValueError: offload: process 1 refused the host_memory plan" in runs[0][1]
+  assert "init refused: RuntimeError: NVMe store directory" in runs[1][1], runs[1][1][-3000:]
+  fps = _footprints(2, tmp_path / "held")
   assert fps[0]["footprint"] == fps[1]["footprint"]
   assert fps[1]["footprint"]["nvme"] == 51_200_000
   # Process 1 gave up the RAM it had room for, to plan as process 0.

@@ -221,6 +221,27 @@ def _plan_alike(plan_with, room: int):
   return e, refusal
 
 
+def set_up_alike(make: Callable[[], Any], close: Callable[[Any], None]) -> Any:
+  """`make()` (the tree's setup: its NVMe store opened) on every process of a multi-process run,
+  once they agreed on the plan: where it fails on one (its store directory locked, say), every
+  process raises at once rather than waiting for that one in the next collective, those that
+  made theirs `close` it. A collective where there are several processes."""
+  if jax.process_count() == 1:
+    return make()
+  made, error = None, None
+  try:
+    made = make()
+  except Exception as e:  # raised again by _agreed, on this process, as it is
+    error = e
+  try:
+    _agreed([], error)
+  except Exception:
+    if made is not None:
+      close(made)
+    raise
+  return made
+
+
 def _disk_share(nvme_dir) -> tuple[int | None, str]:
   """This process's share of the free space of its `nvme_dir`'s file system, and a note saying
   so, where other processes of this run on this machine keep their NVMe tier there too (None

@@ -275,7 +275,16 @@ class _Offloaded:
       window = tree_plan.window_bytes(options["window_bytes"], setup_lib.device_memory())
       e = self.host_memory.plan(params, abstract, window, options["nvme_dir"])
       options = dict(options, host_limit=e.host_bytes)
-    self.setups[key] = setup_lib.make_setup(self.inner, treedef, paths, avals, shardings, **options)
+
+    def make():
+      return setup_lib.make_setup(self.inner, treedef, paths, avals, shardings, **options)
+
+    # With host_memory, init is already a collective: a process that cannot open its NVMe store
+    # stops the others too.
+    if self.host_memory is None:
+      self.setups[key] = make()
+    else:
+      self.setups[key] = host_memory_lib.set_up_alike(make, _close_nvme_tier)
     self.layouts.setdefault(treedef, self.setups[key].layout)
     return self.setups[key]
 
@@ -469,6 +478,12 @@ def abstract_state(tx: optax.GradientTransformation, params: optax.Params) -> Of
   if offloaded is None:
     raise TypeError("abstract_state needs a transformation returned by oo.offload.")
   return offloaded.init(params, abstract_only=True)
+
+
+def _close_nvme_tier(setup: setup_lib.Setup) -> None:
+  """Closes the NVMe store of a setup that will not be used (releasing its directory)."""
+  if setup.nvme is not None:
+    setup.nvme.close()
 
 
 def _mismatch_message(known: setup_lib.Setup, paths: Sequence[str], avals) -> str:
