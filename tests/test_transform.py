@@ -404,6 +404,41 @@ def test_non_separable_inner_is_refused(params):
     tx.init(params)
 
 
+def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypatch):
+  # The separability check and the split probe compile a program each; their verdicts are kept
+  # by what the transformation computes on the probes' shapes (its jaxprs and constants).
+  from optax_offload._src import separable
+
+  compiles = []
+  real = separable._compiled
+  monkeypatch.setattr(separable, "_compiled", lambda *a: compiles.append(a) or real(*a))
+  monkeypatch.setattr(separable, "_VERDICTS", {})
+  oo.offload(optax.lamb(1e-3)).init(params)
+  assert len(compiles) == 2
+  oo.offload(optax.lamb(1e-3)).init(params)  # built again alike: no probe
+  assert len(compiles) == 2
+  oo.offload(optax.lamb(1e-4)).init(params)  # another learning rate: another program
+  assert len(compiles) == 4
+  with pytest.raises(ValueError, match="not separable"):  # a refusal is not kept: refused again
+    oo.offload(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))).init(params)
+  with pytest.raises(ValueError, match="not separable"):
+    oo.offload(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))).init(params)
+
+  def times(a):  # closes over an array: a constant of its jaxpr, not a literal
+    return optax.GradientTransformation(
+      lambda p: optax.EmptyState(), lambda u, s, p=None: (jax.tree.map(lambda g: g * a, u), s)
+    )
+
+  key = lambda tx: separable._fingerprint(tx, params)  # noqa: E731
+  assert key(times(jnp.asarray(2.0))) == key(times(jnp.asarray(2.0))) is not None
+  assert key(times(jnp.asarray(2.0))) != key(times(jnp.asarray(3.0)))
+  called = optax.GradientTransformation(  # a Python callback: named by address only, no key
+    lambda p: optax.EmptyState(),
+    lambda u, s, p=None: (jax.pure_callback(lambda x: x, u, u), s),
+  )
+  assert key(called) is None
+
+
 def test_state_that_does_not_split_per_parameter_is_refused(params):
   by_name = optax.GradientTransformation(
     init=lambda p: {"kernel_scale": jnp.ones_like(p["dense"]["kernel"])},

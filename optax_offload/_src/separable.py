@@ -10,6 +10,7 @@ different scales in the two groups, and compares.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Sequence
 
@@ -104,7 +105,9 @@ def splittable(
 
   The probes of all the shapes asked for, along both axes, run in one compiled program, and their
   results are kept for the next call with the same `inner` (`offload` asks for the rows, then for
-  the columns; a transformation initialized again is not probed again).
+  the columns; a transformation initialized again is not probed again), and by what the
+  transformation computes on the probe's shapes (`_fingerprint`: one built again alike, in a new
+  `offload`, is not probed again either; nor is its `check_separable` once it passed).
   """
   keys = []
   for aval, part, depth in zip(avals, per_leaf, dims):
@@ -154,6 +157,46 @@ def _compiled(program, *args):
 
 _PROBED: list[tuple[object, dict]] = []
 """(inner transformation, its probe results by key) of the last few transformations probed."""
+
+_VERDICTS: dict[str, object] = {}
+"""Verdicts of probe programs by `_fingerprint` (the last `_VERDICTS_KEPT`): a transformation
+built again alike (``optax.adamw(1e-2)`` in a new `offload`, or a second init) is not probed
+again."""
+_VERDICTS_KEPT = 64
+
+
+def _fingerprint(inner, *trees) -> str | None:
+  """A key of what `inner` computes on each of `trees` (params of the shapes a probe runs): its
+  init's and update's jaxprs, with their constants. Two transformations with one key compute the
+  same on those shapes, so a probe's verdict holds for both. None where it cannot be traced, or
+  where a jaxpr holds a Python object (a callback), which its text names by address only."""
+  texts, consts = [], []
+  try:
+    for params in trees:
+      init = jax.make_jaxpr(inner.init)(params)
+      state = jax.eval_shape(inner.init, params)
+      update = jax.make_jaxpr(inner.update)(params, state, params)
+      texts += [str(jax.tree.structure(params)), str(init), str(update)]
+      consts += [*init.consts, *update.consts]
+  except Exception:  # the probe itself reports what it cannot run
+    return None
+  text = "\n".join(texts)
+  if " at 0x" in text:
+    return None
+  h = hashlib.sha256(text.encode())
+  for c in consts:
+    a = np.asarray(c)
+    h.update(f"{a.dtype}{a.shape}".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def _remember(key: str | None, verdict: object) -> None:
+  if key is not None:
+    _VERDICTS.pop(key, None)
+    _VERDICTS[key] = verdict
+    while len(_VERDICTS) > _VERDICTS_KEPT:
+      del _VERDICTS[next(iter(_VERDICTS))]
 
 
 def _probe_results(inner) -> dict:
@@ -288,6 +331,10 @@ def _probe_program(inner, keys: Sequence[tuple]) -> dict[tuple, bool]:
     for axis in (0, 1)
     if any(k[3] == axis for k in keys)
   ]
+  fingerprint = _fingerprint(inner, *(p.params for p in probes))
+  key = None if fingerprint is None else f"split {keys!r} {fingerprint}"
+  if key in _VERDICTS:
+    return dict(_VERDICTS[key])
   with jax.ensure_compile_time_eval():
     # Compiled, not op by op, and one program for all: eager ops compile one small program each,
     # per shape (for a 13B Llama's leaves, 5 s of the first compile's trace), and each program
@@ -299,6 +346,7 @@ def _probe_program(inner, keys: Sequence[tuple]) -> dict[tuple, bool]:
   result = {}
   for p, out in zip(probes, outs):
     result.update(p.check(out))
+  _remember(key, dict(result))
   return result
 
 
@@ -333,6 +381,12 @@ def check_separable(
     for scale in _GROUP_SCALES
   ]
 
+  params_tree = layout.params_treedef.unflatten(params)
+  fingerprint = _fingerprint(inner, params_tree)
+  key = None if fingerprint is None else f"separable {fingerprint}"
+  if key in _VERDICTS:  # (only passes are kept)
+    return
+
   @jax.jit
   def joint_and_grouped(params, grads):
     params_tree = layout.params_treedef.unflatten(params)
@@ -361,6 +415,7 @@ def check_separable(
   for joint, split in out:
     for i in range(n):
       _compare(paths[i], avals[i].dtype, joint[i], split[i])
+  _remember(key, True)
 
 
 class _NotSeparable(ValueError):
