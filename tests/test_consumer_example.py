@@ -333,9 +333,10 @@ def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(
   ).host_bytes
   assert 0 < least < oo.estimate(params, optimizer=optax.adam(1e-3)).host_bytes
   # The first gather names the file system of each process's nvme_dir: the same one here, whose
-  # free space the two processes share; the next ones compare their plans.
+  # free space the two processes share; the next ones compare their plans; the last one says
+  # that each opened its NVMe store.
   monkeypatch.setattr(
-    multihost_utils, "process_allgather", other_process(same, lambda v: [least, 0], same)
+    multihost_utils, "process_allgather", other_process(same, lambda v: [least, 0], same, same)
   )
   tx = offload()
   with caplog.at_level(logging.INFO, logger="optax_offload"):
@@ -346,7 +347,7 @@ def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(
   # Another file system (or none): this process plans with all of its disk's free space.
   caplog.clear()
   monkeypatch.setattr(
-    multihost_utils, "process_allgather", other_process(lambda v: [v[0] ^ 2, 0], same, same)
+    multihost_utils, "process_allgather", other_process(lambda v: [v[0] ^ 2, 0], same, same, same)
   )
   with caplog.at_level(logging.INFO, logger="optax_offload"):
     oo.close_nvme(offload().init(params))
@@ -385,6 +386,22 @@ def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(
   )
   with pytest.raises(ValueError, match="process 0 refused the host_memory plan"):
     offload().init(params)
+  # The other process cannot open its NVMe store once they agreed: this one raises too, naming
+  # it, and closes its own store (whose directory the next init opens again).
+  monkeypatch.setattr(
+    multihost_utils,
+    "process_allgather",
+    other_process(same, lambda v: [least, 0], same, lambda v: [1]),
+  )
+  tx = offload()
+  with pytest.raises(ValueError, match="process 0 refused the host_memory plan"):
+    tx.init(params)
+  monkeypatch.setattr(
+    multihost_utils, "process_allgather", other_process(same, lambda v: [least, 0], same, same)
+  )
+  state = tx.init(params)
+  assert oo.footprint(state)["nvme"] > 0
+  oo.close_nvme(state)
   # This process's own error is raised as it is, after the other process learns of it.
   gathers = []
   monkeypatch.setattr(
