@@ -394,7 +394,7 @@ def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(
     other_process(same, lambda v: [least, 0], same, lambda v: [1]),
   )
   tx = offload()
-  with pytest.raises(ValueError, match="process 0 refused the host_memory plan"):
+  with pytest.raises(ValueError, match="process 0 could not open its NVMe store"):
     tx.init(params)
   monkeypatch.setattr(
     multihost_utils, "process_allgather", other_process(same, lambda v: [least, 0], same, same)

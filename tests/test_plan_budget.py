@@ -9,6 +9,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from helpers import one_device_bf16
 
@@ -516,7 +517,11 @@ def test_a_count_without_shapes_bounds_the_callbacks_copy(moments, window, kept)
     params, window_bytes=window, update_in_backward=True, host_limit=0, nvme_size="2TB", **kwargs
   )
   assert e.host_bytes == 0 and e.nvme_bytes > 0
-  stack = [(x.size * 2, layers, x.size) for k, x in params.items() if k not in kept]
+  stack = [
+    host_budget.StackLeaf(x.size * 2, layers, x.size, x.size * 2)
+    for k, x in params.items()
+    if k not in kept
+  ]
   on_device = estimate_lib._stack_leaves_on_device(params)
   assert len(on_device) == len(kept)
   from_shapes = host_budget.fused_nvme_block(e, stack, on_device)
@@ -543,3 +548,28 @@ def test_update_in_backward_given_as_a_numpy_bool_or_an_int_is_taken_as_given():
     assert e.update_in_backward is True and "as asked" in e.update_in_backward_reason, repr(yes)
     with pytest.raises(ValueError, match="update_in_backward needs a layer stack"):
       oo.estimate("1B", update_in_backward=yes)
+
+
+def test_a_stack_in_pinned_host_memory_counts_its_host_copies_and_its_device_bytes_whole():
+  # Host memory: what this process holds (a replicated stack, a copy per device); the device
+  # figures count the params whole, as for every param.
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+
+  def estimate(stack_sharding, head_sharding):
+    params = {
+      "layers": jax.ShapeDtypeStruct((4, 256, 256), jnp.float32, sharding=stack_sharding),
+      "head": jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=head_sharding),
+    }
+    return oo.estimate(params, optimizer=optax.adam(1e-3))
+
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  one = estimate(device.with_memory_kind("pinned_host"), device)
+  pinned = lambda spec: jax.NamedSharding(mesh, spec, memory_kind="pinned_host")  # noqa: E731
+  sharded = estimate(pinned(jax.P("x")), jax.NamedSharding(mesh, jax.P()))
+  replicated = estimate(pinned(jax.P()), jax.NamedSharding(mesh, jax.P()))
+  stack = 4 * 256 * 256 * 4
+  for e in (one, sharded, replicated):
+    assert (e.param_bytes, e.grad_bytes) == (256 * 256 * 4,) * 2
+    assert e.stack_layer_bytes == one.stack_layer_bytes > 0
+  assert one.host_weight_bytes == sharded.host_weight_bytes == 2 * stack  # weights, gradients
+  assert replicated.host_weight_bytes == 2 * one.host_weight_bytes

@@ -404,39 +404,57 @@ def test_non_separable_inner_is_refused(params):
     tx.init(params)
 
 
+def _momentum(scale_of):
+  """SGD with momentum whose step is ``scale_of(m, grads)`` (Python code run as each call of
+  the update is traced: whole, in groups, in row slices)."""
+
+  def update(u, s, p=None):
+    s = jax.tree.map(lambda m, g: 0.9 * m + g, s, u)
+    return jax.tree.map(lambda m: -scale_of(m, u) * m, s), s
+
+  return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), update)
+
+
 def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypatch):
-  # The separability check and the split probe compile a program each; their verdicts are kept
-  # by what the transformation computes on the probes' shapes (its jaxprs and constants).
+  # The separability check and the split probe compile a program each; a traced probe that
+  # computes what one before computed (its jaxpr, its constants) takes that one's verdict.
   from optax_offload._src import separable
 
   compiles = []
   real = separable._compiled
-  monkeypatch.setattr(separable, "_compiled", lambda *a: compiles.append(a) or real(*a))
+  monkeypatch.setattr(separable, "_compiled", lambda t: compiles.append(t) or real(t))
   monkeypatch.setattr(separable, "_VERDICTS", {})
-  oo.offload(optax.lamb(1e-3)).init(params)
-  assert len(compiles) == 2
-  oo.offload(optax.lamb(1e-3)).init(params)  # built again alike: no probe
-  assert len(compiles) == 2
-  oo.offload(optax.lamb(1e-4)).init(params)  # another learning rate: another program
-  assert len(compiles) == 4
-  with pytest.raises(ValueError, match="not separable"):  # a refusal is not kept: refused again
-    oo.offload(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))).init(params)
+
+  def probes(tx):  # the probe programs compiled by an init
+    before = len(compiles)
+    oo.offload(tx).init(params)
+    return len(compiles) - before
+
+  assert probes(optax.lamb(1e-3)) == 2
+  assert probes(optax.lamb(1e-3)) == 0  # built again alike
+  assert probes(optax.lamb(1e-4)) == 2  # another learning rate: another program
+  for _ in range(2):  # a refusal is not kept
+    with pytest.raises(ValueError, match="not separable"):
+      probes(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
+  # Steps that trace as a constant one's on the whole tree, not in groups or row slices: their
+  # probes are other programs. (6 leaves: 3 / 6 is 0.5.)
+  assert probes(_momentum(lambda m, u: 0.5)) == 2
   with pytest.raises(ValueError, match="not separable"):
-    oo.offload(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))).init(params)
-
-  def times(a):  # closes over an array: a constant of its jaxpr, not a literal
-    return optax.GradientTransformation(
-      lambda p: optax.EmptyState(), lambda u, s, p=None: (jax.tree.map(lambda g: g * a, u), s)
-    )
-
-  key = lambda tx: separable._fingerprint(tx, params)  # noqa: E731
-  assert key(times(jnp.asarray(2.0))) == key(times(jnp.asarray(2.0))) is not None
-  assert key(times(jnp.asarray(2.0))) != key(times(jnp.asarray(3.0)))
-  called = optax.GradientTransformation(  # a Python callback: named by address only, no key
-    lambda p: optax.EmptyState(),
-    lambda u, s, p=None: (jax.pure_callback(lambda x: x, u, u), s),
-  )
-  assert key(called) is None
+    probes(_momentum(lambda m, u: 3.0 / len(jax.tree.leaves(u))))
+  keys = [(np.dtype("float32"), (256,), (2,), 0)]
+  assert separable._probe_program(_momentum(lambda m, u: 0.5), keys) == {keys[0]: True}
+  sliced = _momentum(lambda m, u: 2.0 if m.shape[0] == 1 else 0.5)  # row [0:1] steps farther
+  assert separable._probe_program(sliced, keys) == {keys[0]: False}
+  # The values of constants count, in the jaxprs inside the probe's too (a jit's body).
+  for value, compiled in ((0.25, 2), (0.25, 0), (0.125, 2)):
+    a = jnp.asarray(value)
+    assert probes(_momentum(lambda m, u, a=a: jax.jit(lambda: a)())) == compiled
+  # No key where a constant or a Python object cannot be read. (The probes trace under
+  # `jax.ensure_compile_time_eval`: a callback or a key that no traced value reaches is a constant.)
+  key = jax.random.key(0)  # a typed key: numpy cannot read it
+  assert separable._verdict_key("k", jax.jit(lambda x: jax.random.fold_in(key, x)).trace(1)) is None
+  called = jax.jit(lambda x: jax.pure_callback(lambda y: y, x, x)).trace(1.0)
+  assert separable._verdict_key("k", called) is None
 
 
 def test_state_that_does_not_split_per_parameter_is_refused(params):

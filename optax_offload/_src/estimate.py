@@ -612,7 +612,8 @@ def estimate(
           f"{format_bytes(n * dtype.itemsize)} of weights: keep some of its leaves on the device, "
           "not all."
         )
-      stack = [((n - kept) * dtype.itemsize, layers, n - kept)]
+      weights = (n - kept) * dtype.itemsize
+      stack = [host_budget.StackLeaf(weights, layers, n - kept, weights)]
       kept_on_device = (kept * dtype.itemsize, kept)
     elif stack_on_device:
       raise ValueError('stack_on_device needs weights_on="host" (--weights-on host).')
@@ -624,10 +625,8 @@ def estimate(
     tx = optimizer if opt is None else opt.factory()
     tree = _param_tree(params)
     derived = _derive(tree, tx, master, moments, min_size)
-    # The stack's weights in this process's pinned host memory: its shards (of a multi-process
-    # mesh), as its gradients and accumulators will be.
     stack = [
-      (memory.held_bytes(x), x.shape[0], memory.held_bytes(x) // jnp.dtype(x.dtype).itemsize)
+      host_budget.StackLeaf(_nbytes(x), x.shape[0], math.prod(x.shape), memory.held_bytes(x))
       for x in jax.tree.leaves(tree)
       if _in_pinned_host(x)
     ]

@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import NamedTuple
 
 from optax_offload._src import measure
 from optax_offload._src import offloaded_scan as scan_lib
@@ -29,6 +30,28 @@ from optax_offload._src.units import format_bytes
 
 if TYPE_CHECKING:  # only for annotations: estimate imports this module
   from optax_offload._src.estimate import Estimate
+
+
+class StackLeaf(NamedTuple):
+  """A leaf of the layer stack in pinned host memory, as the budget counts it.
+
+  Attributes:
+    nbytes: its bytes, whole (what the device figures count, as for every param).
+    layers: its leading (layer) axis.
+    params: its elements, whole.
+    held: its bytes in this process's pinned host memory (its shards of a multi-process mesh;
+      ``nbytes`` in one process): what its weights, gradients and accumulators take on the host.
+  """
+
+  nbytes: int
+  layers: int
+  params: int
+  held: int
+
+  @property
+  def held_params(self) -> int:
+    """Its elements in this process's pinned host memory."""
+    return self.params * self.held // self.nbytes if self.nbytes else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +318,7 @@ def plan_update_in_backward(
   Raises:
     ValueError: update_in_backward asked for without a stack, or accumulation without it.
   """
-  weights = sum(nbytes for nbytes, _, _ in stack)
+  weights = sum(leaf.held for leaf in stack)
   if given is True:
     if not stack:
       raise ValueError(
@@ -340,7 +363,7 @@ def plan_update_in_backward(
 
 def with_weights_on_host(
   e: Estimate,
-  stack: list[tuple[int, int, int]],
+  stack: list[StackLeaf],
   fused: bool = False,
   accumulate: int = 1,
   accumulators: int = 0,
@@ -349,7 +372,7 @@ def with_weights_on_host(
   kept: tuple[int, int] = (0, 0),
   nvme_options: Any = None,
 ) -> Estimate:
-  """`e` with the weights of `stack` ((bytes, layers, params) per leaf) in pinned host memory
+  """`e` with the weights of `stack` in pinned host memory
   (`on_device`: indices of the stack's leaves kept on the device, `fused_nvme_held`; `kept`:
   their (bytes, params); `nvme_options`: the NVMe tier's, for its buffers).
 
@@ -367,8 +390,9 @@ def with_weights_on_host(
   (the new weights); the accumulators (`accumulators` bytes, `accumulator_itemsize` bytes a
   parameter) 2 (accumulate - 1) times a step.
   """
-  weights = sum(nbytes for nbytes, _, _ in stack)
-  per_layer = sum(-(-nbytes // n) for nbytes, n, _ in stack)
+  weights = sum(leaf.held for leaf in stack)  # on this process's host, and across its links
+  whole = sum(leaf.nbytes for leaf in stack)  # the device figures count params whole
+  per_layer = sum(-(-leaf.nbytes // leaf.layers) for leaf in stack)
   window = e.window_peak
   if e.plan is None:  # a bare count: the window now carries weights and gradients with the state
     window = min(e.window_bytes, e.offloaded_bytes + 2 * weights)
@@ -386,7 +410,7 @@ def with_weights_on_host(
   if fused:
     layers_on_device = FUSED_WEIGHT_LAYERS_ON_DEVICE + FUSED_GRAD_LAYERS_ON_DEVICE
     if accumulators:  # rows of the accumulators come in with their layers' weights
-      per_layer_params = sum(-(-size // n) for _, n, size in stack)
+      per_layer_params = sum(-(-leaf.params // leaf.layers) for leaf in stack)
       stack_layer_bytes = (
         plan_lib.FUSED_ACCUMULATOR_LAYERS_ON_DEVICE * per_layer_params * accumulator_itemsize
       )
@@ -403,8 +427,8 @@ def with_weights_on_host(
   return dataclasses.replace(
     e,
     weights_on="host",
-    param_bytes=e.param_bytes - weights,
-    grad_bytes=e.grad_bytes - weights - kept[0] + kept_grads,
+    param_bytes=e.param_bytes - whole,
+    grad_bytes=e.grad_bytes - whole - kept[0] + kept_grads,
     stack_layer_bytes=stack_layer_bytes + layers_on_device * per_layer,
     nvme_buffer_bytes=buffers,
     host_weight_bytes=host_weights,
@@ -418,7 +442,7 @@ def with_weights_on_host(
 
 
 def fused_nvme_held(
-  e: Estimate, stack: list[tuple[int, int, int]], on_device: frozenset[int] = frozenset()
+  e: Estimate, stack: list[StackLeaf], on_device: frozenset[int] = frozenset()
 ) -> int:
   """Host bytes of the stack's NVMe state that the update in the backward pass holds at once: the
   store groups that the block of layers in flight touches, each held until all its rows are
@@ -426,7 +450,7 @@ def fused_nvme_held(
   leaf of the stack (streaming with its weights, `LeafInfo.moving_bytes`, or kept on the device:
   the indices `on_device`), the most rows of its slices (the plan's pieces; the whole leaf when it
   is not sliced) that one block touches, each leaf by its own layers."""
-  rows = _stack_nvme_rows(e, stack[0][1], on_device)
+  rows = _stack_nvme_rows(e, stack[0].layers, on_device)
   if e.plan is None:
     ((row, layers),) = rows.values()
     return min(plan_lib.FUSED_NVME_LAYERS_HELD, layers) * row
@@ -456,7 +480,7 @@ def _rows_held(slices: list[tuple[int, int]], layers: int) -> int:
 
 
 def fused_nvme_block(
-  e: Estimate, stack: list[tuple[int, int, int]], on_device: frozenset[int] = frozenset()
+  e: Estimate, stack: list[StackLeaf], on_device: frozenset[int] = frozenset()
 ) -> int:
   """Host bytes of the largest piece of a block's NVMe rows (`plan.FUSED_NVME_LAYERS_HELD`
   layers): the copy a callback's operands take on a GPU, where JAX copies them into host memory
@@ -471,7 +495,7 @@ def fused_nvme_block(
   one leaf's row is at most one row of all the NVMe state: the least of a block's rows of all of
   it and the larger of a group and one such row."""
   pieces = []
-  for i, (row, n) in _stack_nvme_rows(e, stack[0][1], on_device).items():
+  for i, (row, n) in _stack_nvme_rows(e, stack[0].layers, on_device).items():
     block = min(plan_lib.FUSED_NVME_LAYERS_HELD, n)
     if e.plan is None:
       group = plan_lib.group_budget(e.window_bytes) + 1
@@ -497,12 +521,10 @@ def _stack_nvme_rows(e: Estimate, layers: int, on_device: frozenset[int]) -> dic
   return out
 
 
-def accumulator_bytes(
-  stack: list[tuple[int, int, int]], fused: bool, accumulate: int, itemsize: int
-) -> int:
+def accumulator_bytes(stack: list[StackLeaf], fused: bool, accumulate: int, itemsize: int) -> int:
   """Bytes of the stack's gradient accumulators (`itemsize` bytes each) in host memory: only with
   the update in the backward pass and more than one micro-batch per step."""
-  stack_params = sum(size for _, _, size in stack)
+  stack_params = sum(leaf.held_params for leaf in stack)
   return itemsize * stack_params if fused and accumulate > 1 else 0
 
 
@@ -510,7 +532,7 @@ def fit_host_memory(
   build: Callable[[int | None], Estimate],
   host_memory: int,
   host_limit: int | None,
-  stack: list[tuple[int, int, int]],
+  stack: list[StackLeaf],
   fused: bool,
   accumulators: int,
 ) -> Estimate:
@@ -521,7 +543,7 @@ def fit_host_memory(
   update), its gradients or accumulators, then the NVMe tier's buffers; the optimizer state (read
   and written once a step) fills what is left, the rest goes to NVMe.
   """
-  weights = sum(nbytes for nbytes, _, _ in stack)
+  weights = sum(leaf.held for leaf in stack)
   fixed = (weights if fused else 2 * weights) + accumulators
   limit = max(0, host_memory - fixed)
   if host_limit is not None:

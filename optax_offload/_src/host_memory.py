@@ -23,6 +23,7 @@ import numpy as np
 from optax_offload._src import measure
 from optax_offload._src import memory
 from optax_offload._src import units
+from optax_offload._src.nvme_tier import shards
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ def set_up_alike(make: Callable[[], Any], close: Callable[[Any], None]) -> Any:
   except Exception as e:  # raised again by _agreed, on this process, as it is
     error = e
   try:
-    _agreed([], error)
+    _agreed([], error, failed="could not open its NVMe store (see its error)")
   except Exception:
     if made is not None:
       close(made)
@@ -276,12 +277,16 @@ def _planned_or_refused(plan_with, *args, **limits):
     return None, e
 
 
-def _agreed(values: list[int], refusal: str | Exception | None) -> np.ndarray:
+def _agreed(
+  values: list[int],
+  refusal: str | Exception | None,
+  failed: str = "refused the host_memory plan (host memory or disk: see its error)",
+) -> np.ndarray:
   """Every process's `values` (process, value): each process then plans with the least host
   bytes of offloaded state, and checks that the plans are the same, since the update is one
   program on every process and live arrays may leave one process less room than another. Every
-  process raises where one is refused, so that none waits in a collective for it. A collective:
-  every process calls it, as often, with as many values."""
+  process raises where one is refused (the others saying that it `failed`), so that none waits
+  in a collective for it. A collective: every process calls it, as often, with as many values."""
   from jax.experimental import multihost_utils
 
   mine = np.array([*values, refusal is not None], np.int64).view(np.int32)
@@ -294,9 +299,8 @@ def _agreed(values: list[int], refusal: str | Exception | None) -> np.ndarray:
   refused = [str(i) for i in np.flatnonzero(every[:, -1])]
   if refused:
     raise ValueError(
-      f"offload: process{'es' if len(refused) > 1 else ''} {', '.join(refused)} refused the "
-      "host_memory plan (host memory or disk: see its error); every process stops, so that none "
-      "waits for it."
+      f"offload: process{'es' if len(refused) > 1 else ''} {', '.join(refused)} {failed}; "
+      "every process stops, so that none waits for it."
     )
   return every[:, :-1]
 
@@ -310,9 +314,9 @@ def _fingerprint(plan) -> int:
 
 def _replicated_here(x) -> bool:
   """Whether two of this process's devices hold the same shard of `x` (a replicated axis)."""
-  indices = x.sharding.addressable_devices_indices_map(tuple(x.shape)).values()
-  distinct = {tuple((s.start, s.stop, s.step) for s in index) for index in indices}
-  return len(distinct) < len(indices)
+  number = shards.shard_regions(x.sharding, x.shape)[1]
+  here = [number[d.id] for d in x.sharding.addressable_devices]
+  return len(set(here)) < len(here)
 
 
 def _live_described(abstract: list) -> list:

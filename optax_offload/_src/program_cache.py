@@ -209,12 +209,15 @@ def _remove_stale_temporaries(cache_dir: str) -> None:
   """Removes the temporary files that writers killed mid-write left (older than `STALE_TMP_S`)."""
   try:
     with os.scandir(cache_dir) as entries:
-      for entry in entries:
-        if entry.name.startswith(_TMP_PREFIX) and entry.name.endswith(".tmp"):
-          if time.time() - entry.stat().st_mtime > STALE_TMP_S:
-            os.remove(entry.path)
-  except OSError:  # another process removed it first, or the directory cannot be read
-    pass
+      stale = [e for e in entries if e.name.startswith(_TMP_PREFIX) and e.name.endswith(".tmp")]
+  except OSError:  # the directory cannot be read
+    return
+  for entry in stale:
+    try:
+      if time.time() - entry.stat().st_mtime > STALE_TMP_S:
+        os.remove(entry.path)
+    except OSError:  # another process removed it first
+      pass
 
 
 def store(cache_dir: str, key: str, entry: dict[str, Any]) -> None:

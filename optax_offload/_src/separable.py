@@ -105,9 +105,9 @@ def splittable(
 
   The probes of all the shapes asked for, along both axes, run in one compiled program, and their
   results are kept for the next call with the same `inner` (`offload` asks for the rows, then for
-  the columns; a transformation initialized again is not probed again), and by what the
-  transformation computes on the probe's shapes (`_fingerprint`: one built again alike, in a new
-  `offload`, is not probed again either; nor is its `check_separable` once it passed).
+  the columns; a transformation initialized again is not probed again), and by what the traced
+  probe program computes (`_verdict_key`): one built again alike, in a new `offload`, traces its
+  probes but compiles and runs none again (nor its `check_separable` once it passed).
   """
   keys = []
   for aval, part, depth in zip(avals, per_leaf, dims):
@@ -150,45 +150,56 @@ would cost more than they save (a 13B Llama's probes, measured once on a loaded 
 CPU-s of compile instead of 3.4)."""
 
 
-def _compiled(program, *args):
-  """`program` (jitted) compiled for `args` with `_PROBE_COMPILER_OPTIONS`."""
-  return program.lower(*args).compile(compiler_options=_PROBE_COMPILER_OPTIONS)
+def _compiled(traced):
+  """A traced probe program compiled with `_PROBE_COMPILER_OPTIONS`."""
+  return traced.lower().compile(compiler_options=_PROBE_COMPILER_OPTIONS)
 
 
 _PROBED: list[tuple[object, dict]] = []
 """(inner transformation, its probe results by key) of the last few transformations probed."""
 
 _VERDICTS: dict[str, object] = {}
-"""Verdicts of probe programs by `_fingerprint` (the last `_VERDICTS_KEPT`): a transformation
-built again alike (``optax.adamw(1e-2)`` in a new `offload`, or a second init) is not probed
-again."""
+"""Verdicts of probe programs by `_verdict_key` (the last `_VERDICTS_KEPT` used): a
+transformation built again alike (``optax.adamw(1e-2)`` in a new `offload`, or a second init)
+traces its probes but neither compiles nor runs them again."""
 _VERDICTS_KEPT = 64
 
 
-def _fingerprint(inner, *trees) -> str | None:
-  """A key of what `inner` computes on each of `trees` (params of the shapes a probe runs): its
-  init's and update's jaxprs, with their constants. Two transformations with one key compute the
-  same on those shapes, so a probe's verdict holds for both. None where it cannot be traced, or
-  where a jaxpr holds a Python object (a callback), which its text names by address only."""
-  texts, consts = [], []
+def _verdict_key(kind: str, traced) -> str | None:
+  """A key of a traced probe program (``jax.jit(f).trace(...)``) by what it computes: its jaxpr's
+  text (every call of the transformation the probe makes: whole, in groups, in slices), its
+  output's tree, and the values of every constant of it and of the jaxprs inside it. Two probes
+  with one key compute the same, so they reach the same verdict. None where it cannot be read:
+  a Python object in the text (a callback, named by address only) or a constant the text elides
+  (``[...]``)."""
   try:
-    for params in trees:
-      init = jax.make_jaxpr(inner.init)(params)
-      state = jax.eval_shape(inner.init, params)
-      update = jax.make_jaxpr(inner.update)(params, state, params)
-      texts += [str(jax.tree.structure(params)), str(init), str(update)]
-      consts += [*init.consts, *update.consts]
-  except Exception:  # the probe itself reports what it cannot run
+    text = f"{kind}\n{traced.jaxpr}\n{jax.tree.structure(traced.out_info)}"
+    if " at 0x" in text or "[...]" in text:
+      return None
+    h = hashlib.sha256(text.encode())
+    for c in _constants(traced.jaxpr):
+      a = np.asarray(c)
+      h.update(f"{a.dtype}{a.shape}".encode())
+      h.update(a.tobytes())
+    return h.hexdigest()
+  except Exception:  # a constant numpy cannot read (a typed PRNG key): no key
     return None
-  text = "\n".join(texts)
-  if " at 0x" in text:
-    return None
-  h = hashlib.sha256(text.encode())
-  for c in consts:
-    a = np.asarray(c)
-    h.update(f"{a.dtype}{a.shape}".encode())
-    h.update(a.tobytes())
-  return h.hexdigest()
+
+
+def _constants(jaxpr, seen=None) -> list:
+  """The constants of `jaxpr` and of the jaxprs in its equations' parameters (a `jit`'s body,
+  `cond`'s branches, a `scan`'s body), which its text does not show."""
+  seen = set() if seen is None else seen
+  if id(jaxpr) in seen:
+    return []
+  seen.add(id(jaxpr))
+  out = list(getattr(jaxpr, "consts", ()))
+  for eqn in getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ()):
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+          out += _constants(sub, seen)
+  return out
 
 
 def _remember(key: str | None, verdict: object) -> None:
@@ -197,6 +208,15 @@ def _remember(key: str | None, verdict: object) -> None:
     _VERDICTS[key] = verdict
     while len(_VERDICTS) > _VERDICTS_KEPT:
       del _VERDICTS[next(iter(_VERDICTS))]
+
+
+def _recall(key: str | None) -> object:
+  """The verdict kept under `key` (None where there is none), kept as the latest used."""
+  if key not in _VERDICTS:
+    return None
+  verdict = _VERDICTS.pop(key)
+  _VERDICTS[key] = verdict
+  return verdict
 
 
 def _probe_results(inner) -> dict:
@@ -331,18 +351,18 @@ def _probe_program(inner, keys: Sequence[tuple]) -> dict[tuple, bool]:
     for axis in (0, 1)
     if any(k[3] == axis for k in keys)
   ]
-  fingerprint = _fingerprint(inner, *(p.params for p in probes))
-  key = None if fingerprint is None else f"split {keys!r} {fingerprint}"
-  if key in _VERDICTS:
-    return dict(_VERDICTS[key])
   with jax.ensure_compile_time_eval():
     # Compiled, not op by op, and one program for all: eager ops compile one small program each,
     # per shape (for a 13B Llama's leaves, 5 s of the first compile's trace), and each program
     # ~0.3 s.
     args = [(p.params, p.grads) for p in probes]
     program = jax.jit(lambda args: [p.run(inner, *a) for p, a in zip(probes, args)])
-    outs = _compiled(program, args)(args)
-    outs = jax.device_get(outs)
+    traced = program.trace(args)
+    key = _verdict_key(f"split {keys!r} {[p.ok for p in probes]!r}", traced)
+    known = _recall(key)
+    if known is not None:
+      return dict(known)
+    outs = jax.device_get(_compiled(traced)(args))
   result = {}
   for p, out in zip(probes, outs):
     result.update(p.check(out))
@@ -381,12 +401,6 @@ def check_separable(
     for scale in _GROUP_SCALES
   ]
 
-  params_tree = layout.params_treedef.unflatten(params)
-  fingerprint = _fingerprint(inner, params_tree)
-  key = None if fingerprint is None else f"separable {fingerprint}"
-  if key in _VERDICTS:  # (only passes are kept)
-    return
-
   @jax.jit
   def joint_and_grouped(params, grads):
     params_tree = layout.params_treedef.unflatten(params)
@@ -403,7 +417,11 @@ def check_separable(
   with jax.ensure_compile_time_eval():
     try:
       # Compiled, not op by op, in one program (see `_probe_program`).
-      out = jax.device_get(_compiled(joint_and_grouped, params, grads)(params, grads))
+      traced = joint_and_grouped.trace(params, grads)
+      key = _verdict_key(f"separable {groups!r} {layout.params_treedef}", traced)
+      if _recall(key):  # (only passes are kept)
+        return
+      out = jax.device_get(_compiled(traced)(params, grads))
     except Exception as e:  # the probe is a best effort; the real update reports real errors
       logger.warning(
         "offload: could not check that the inner transformation is separable (%s: %s); "
