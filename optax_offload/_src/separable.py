@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_offload._src import _compat
 from optax_offload._src import stream
 from optax_offload._src import stream_spec
 from optax_offload._src.layout import StateLayout
@@ -166,40 +167,80 @@ _VERDICTS_KEPT = 64
 
 
 def _verdict_key(kind: str, traced) -> str | None:
-  """A key of a traced probe program (``jax.jit(f).trace(...)``) by what it computes: its jaxpr's
-  text (every call of the transformation the probe makes: whole, in groups, in slices), its
-  output's tree, and the values of every constant of it and of the jaxprs inside it. Two probes
-  with one key compute the same, so they reach the same verdict. None where it cannot be read:
-  a Python object in the text (a callback, named by address only) or a constant the text elides
-  (``[...]``)."""
+  """A key of a traced probe program (``jax.jit(f).trace(...)``) by what it computes: its jaxpr,
+  equation by equation (every call of the transformation the probe makes: whole, in groups, in
+  row slices), with the values of its literals and constants and those of the jaxprs inside it,
+  and its output's tree. Two probes with one key compute the same, so they reach the same
+  verdict. None where it cannot be read: a Python object in an equation (a callback, named by
+  address only) or a constant numpy cannot read (a typed PRNG key)."""
+  h = hashlib.sha256(f"{kind}\n{jax.tree.structure(traced.out_info)}".encode())
   try:
-    text = f"{kind}\n{traced.jaxpr}\n{jax.tree.structure(traced.out_info)}"
-    if " at 0x" in text or "[...]" in text:
-      return None
-    h = hashlib.sha256(text.encode())
-    for c in _constants(traced.jaxpr):
-      a = np.asarray(c)
-      h.update(f"{a.dtype}{a.shape}".encode())
-      h.update(a.tobytes())
-    return h.hexdigest()
-  except Exception:  # a constant numpy cannot read (a typed PRNG key): no key
+    _digest(traced.jaxpr, h, set())
+  except _NoKey:
     return None
+  except Exception:  # (numpy cannot read a constant)
+    return None
+  return h.hexdigest()
 
 
-def _constants(jaxpr, seen=None) -> list:
-  """The constants of `jaxpr` and of the jaxprs in its equations' parameters (a `jit`'s body,
-  `cond`'s branches, a `scan`'s body), which its text does not show."""
-  seen = set() if seen is None else seen
+class _NoKey(Exception):
+  pass
+
+
+_RULE_PARAMS = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd"})
+"""Parameters of ``custom_jvp_call`` and ``custom_vjp_call`` holding differentiation rules: the
+probes never differentiate, so they leave these out of the key (the call's body is in it)."""
+
+
+def _digest(jaxpr, h, seen: set) -> None:
+  """Feeds `h` with `jaxpr` (closed or open): its constants' and literals' values, its variables
+  by number, each equation's primitive, parameters (the jaxprs among them, recursively) and
+  types. `jaxpr.pretty_print` says the same, at several times the cost."""
   if id(jaxpr) in seen:
-    return []
+    h.update(b"seen")
+    return
   seen.add(id(jaxpr))
-  out = list(getattr(jaxpr, "consts", ()))
-  for eqn in getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ()):
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-          out += _constants(sub, seen)
-  return out
+  consts = list(getattr(jaxpr, "consts", ()))
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # open (or, jax >= 0.11, itself)
+  numbers: dict = {}
+
+  def number(v) -> str:
+    if isinstance(v, _compat.Literal):
+      return f"literal {_value(v.val)}"
+    return str(numbers.setdefault(v, len(numbers)))
+
+  for c in consts:
+    h.update(_value(c).encode())
+  parts = [
+    [f"{v.aval}" for v in (*jaxpr.constvars, *jaxpr.invars)],
+    [number(v) for v in (*jaxpr.constvars, *jaxpr.invars)],
+  ]
+  for eqn in jaxpr.eqns:
+    parts.append([eqn.primitive.name, [number(v) for v in eqn.invars]])
+    for k in sorted(eqn.params):
+      p = eqn.params[k]
+      subs = p if isinstance(p, (tuple, list)) else (p,)
+      if subs and all(hasattr(sub, "eqns") or hasattr(sub, "jaxpr") for sub in subs):
+        h.update(repr(parts).encode())
+        parts = [k]
+        for sub in subs:
+          _digest(sub, h, seen)
+      elif k in _RULE_PARAMS and eqn.primitive.name.startswith("custom_"):
+        continue
+      else:
+        r = repr(p)
+        if " at 0x" in r or "..." in r:  # an object named by address, an array cut short
+          raise _NoKey(k)
+        parts.append([k, r])
+    parts.append([(number(v), f"{v.aval}") for v in eqn.outvars])
+  parts.append([number(v) for v in jaxpr.outvars])
+  h.update(repr(parts).encode())
+
+
+def _value(x) -> str:
+  """A constant's or literal's type and value, exactly."""
+  a = np.asarray(x)
+  return f"{a.dtype}{a.shape}{hashlib.sha256(a.tobytes()).hexdigest()}"
 
 
 def _remember(key: str | None, verdict: object) -> None:
