@@ -1,5 +1,6 @@
 """Tests of `offload`: numerics against plain optax, placement, composition, donation, bad input."""
 
+import functools
 import re
 import warnings
 
@@ -455,6 +456,16 @@ def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypa
   assert separable._verdict_key("k", jax.jit(lambda x: jax.random.fold_in(key, x)).trace(1)) is None
   called = jax.jit(lambda x: jax.pure_callback(lambda y: y, x, x)).trace(1.0)
   assert separable._verdict_key("k", called) is None
+  scaled = functools.partial(np.multiply, np.float32(1e-3))  # (its repr says all here: still none)
+  called = jax.jit(lambda x: jax.pure_callback(scaled, x, x)).trace(1.0)
+  assert separable._verdict_key("k", called) is None
+  # A nested jaxpr met again is told apart from another met again.
+  twice, plus_one = jax.jit(lambda x: x * 2.0), jax.jit(lambda x: x + 1.0)
+  keys = {
+    separable._verdict_key("k", jax.jit(f).trace(1.0))
+    for f in (lambda x: twice(plus_one(twice(x))), lambda x: plus_one(plus_one(twice(x))))
+  }
+  assert len(keys) == 2 and None not in keys
 
 
 def test_state_that_does_not_split_per_parameter_is_refused(params):

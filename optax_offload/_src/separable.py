@@ -170,17 +170,17 @@ def _verdict_key(kind: str, traced) -> str | None:
   """A key of a traced probe program (``jax.jit(f).trace(...)``) by what it computes: its jaxpr,
   equation by equation (every call of the transformation the probe makes: whole, in groups, in
   row slices), with the values of its literals and constants and those of the jaxprs inside it,
-  and its output's tree. Two probes with one key compute the same, so they reach the same
-  verdict. None where it cannot be read: a Python object in an equation (a callback, named by
-  address only) or a constant numpy cannot read (a typed PRNG key)."""
-  h = hashlib.sha256(f"{kind}\n{jax.tree.structure(traced.out_info)}".encode())
+  its output's tree, and the backend that runs it. Two probes with one key compute the same, so
+  they reach the same verdict. None where it cannot be read: a Python object among an equation's
+  parameters (a callback: its repr may leave out what it computes), or a constant numpy cannot
+  read (a typed PRNG key)."""
+  head = f"{kind}\n{jax.default_backend()}\n{jax.tree.structure(traced.out_info)}"
   try:
-    _digest(traced.jaxpr, h, set())
+    return hashlib.sha256(head.encode() + _digest(traced.jaxpr, {}).encode()).hexdigest()
   except _NoKey:
     return None
   except Exception:  # (numpy cannot read a constant)
     return None
-  return h.hexdigest()
 
 
 class _NoKey(Exception):
@@ -192,49 +192,51 @@ _RULE_PARAMS = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk",
 probes never differentiate, so they leave these out of the key (the call's body is in it)."""
 
 
-def _digest(jaxpr, h, seen: set) -> None:
-  """Feeds `h` with `jaxpr` (closed or open): its constants' and literals' values, its variables
-  by number, each equation's primitive, parameters (the jaxprs among them, recursively) and
-  types. `jaxpr.pretty_print` says the same, at several times the cost."""
-  if id(jaxpr) in seen:
-    h.update(b"seen")
-    return
-  seen.add(id(jaxpr))
+def _digest(jaxpr, done: dict) -> str:
+  """A sha256 of `jaxpr` (closed or open): its constants' values, its variables by number, each
+  equation's primitive, context, parameters (a nested jaxpr by its own digest, kept in `done` by
+  id) and types, its literals' types and values. `jaxpr.pretty_print` says about as much, at
+  several times the cost, and leaves constants out."""
+  if id(jaxpr) in done:
+    return done[id(jaxpr)]
   consts = list(getattr(jaxpr, "consts", ()))
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # open (or, jax >= 0.11, itself)
+  open_jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # (jax >= 0.11: the closed jaxpr itself)
   numbers: dict = {}
 
   def number(v) -> str:
     if isinstance(v, _compat.Literal):
-      return f"literal {_value(v.val)}"
+      return f"literal {v.aval} {_value(v.val)}"
     return str(numbers.setdefault(v, len(numbers)))
 
-  for c in consts:
-    h.update(_value(c).encode())
-  parts = [
-    [f"{v.aval}" for v in (*jaxpr.constvars, *jaxpr.invars)],
-    [number(v) for v in (*jaxpr.constvars, *jaxpr.invars)],
-  ]
-  for eqn in jaxpr.eqns:
-    parts.append([eqn.primitive.name, [number(v) for v in eqn.invars]])
+  parts: list = [[_value(c) for c in consts]]
+  parts.append([(number(v), f"{v.aval}") for v in (*open_jaxpr.constvars, *open_jaxpr.invars)])
+  for eqn in open_jaxpr.eqns:
+    parts.append([eqn.primitive.name, repr(eqn.ctx), [number(v) for v in eqn.invars]])
     for k in sorted(eqn.params):
       p = eqn.params[k]
       subs = p if isinstance(p, (tuple, list)) else (p,)
       if subs and all(hasattr(sub, "eqns") or hasattr(sub, "jaxpr") for sub in subs):
-        h.update(repr(parts).encode())
-        parts = [k]
-        for sub in subs:
-          _digest(sub, h, seen)
+        parts.append([k, [_digest(sub, done) for sub in subs]])
       elif k in _RULE_PARAMS and eqn.primitive.name.startswith("custom_"):
         continue
       else:
-        r = repr(p)
-        if " at 0x" in r or "..." in r:  # an object named by address, an array cut short
-          raise _NoKey(k)
-        parts.append([k, r])
+        parts.append([k, _param_text(k, p)])
     parts.append([(number(v), f"{v.aval}") for v in eqn.outvars])
-  parts.append([number(v) for v in jaxpr.outvars])
-  h.update(repr(parts).encode())
+  parts.append([number(v) for v in open_jaxpr.outvars])
+  text = repr(parts)
+  if " at 0x" in text or "..." in text or "rray(" in text:
+    raise _NoKey()  # an object named by address, something cut short, an array printed
+  done[id(jaxpr)] = hashlib.sha256(text.encode()).hexdigest()
+  return done[id(jaxpr)]
+
+
+def _param_text(name: str, p) -> str:
+  """An equation parameter's repr, where it says all of it: a callable one (a callback, a
+  function) may not say what it computes, so it has no key (a mesh, callable as a context
+  manager, says all)."""
+  if callable(p) and not isinstance(p, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise _NoKey(name)
+  return repr(p)
 
 
 def _value(x) -> str:
