@@ -2,6 +2,7 @@
 
 import functools
 import re
+import types
 import warnings
 
 import jax
@@ -459,6 +460,21 @@ def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypa
   scaled = functools.partial(np.multiply, np.float32(1e-3))  # (its repr says all here: still none)
   called = jax.jit(lambda x: jax.pure_callback(scaled, x, x)).trace(1.0)
   assert separable._verdict_key("k", called) is None
+
+  class Holder:  # a jaxpr inside another parameter: printed without its constants' values
+    def __init__(self, jaxpr):
+      self.jaxpr_inside = jaxpr
+
+    def __repr__(self):
+      return f"Holder({self.jaxpr_inside})"
+
+  eqn = types.SimpleNamespace(
+    primitive=types.SimpleNamespace(name="kernel"), ctx=None, invars=[], outvars=[],
+    params={"grid": Holder(jax.make_jaxpr(lambda x: x * jnp.asarray(2.0))(1.0))},
+  )  # fmt: skip
+  program = types.SimpleNamespace(constvars=[], invars=[], outvars=[], eqns=[eqn])
+  with pytest.raises(separable._NoKey):
+    separable._digest(program, {})
   # A nested jaxpr met again is told apart from another met again.
   twice, plus_one = jax.jit(lambda x: x * 2.0), jax.jit(lambda x: x + 1.0)
   keys = {
