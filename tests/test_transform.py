@@ -425,7 +425,7 @@ def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypa
   compiles = []
   real = separable._compiled
   monkeypatch.setattr(separable, "_compiled", lambda t: compiles.append(t) or real(t))
-  monkeypatch.setattr(separable, "_VERDICTS", {})
+  monkeypatch.setattr(separable, "_VERDICTS", type(separable._VERDICTS)())
 
   def probes(tx):  # the probe programs compiled by an init
     before = len(compiles)

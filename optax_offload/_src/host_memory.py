@@ -75,7 +75,8 @@ class HostMemory:
       raise NotImplementedError(
         "offload(host_memory=...): a leaf of the params in pinned host memory is replicated on "
         "several of this process's devices, which the plan does not count; shard the layer "
-        "stack (or keep one device per process), or pass host_limit=oo.estimate(...).host_bytes and leave room for the copies."
+        "stack (or keep one device per process), or pass "
+        "host_limit=oo.estimate(...).host_bytes and leave room for the copies."
       )
     # Live arrays beside the params: another offload's state, a copy of the params. Abstract
     # params (`abstract_state`) may describe live arrays: those of their shapes count out once.

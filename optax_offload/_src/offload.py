@@ -284,7 +284,7 @@ class _Offloaded:
     if self.host_memory is None:
       self.setups[key] = make()
     else:
-      self.setups[key] = host_memory_lib.set_up_alike(make, _close_nvme_tier)
+      self.setups[key] = host_memory_lib.set_up_alike(make, setup_lib.Setup.close)
     self.layouts.setdefault(treedef, self.setups[key].layout)
     return self.setups[key]
 
@@ -478,12 +478,6 @@ def abstract_state(tx: optax.GradientTransformation, params: optax.Params) -> Of
   if offloaded is None:
     raise TypeError("abstract_state needs a transformation returned by oo.offload.")
   return offloaded.init(params, abstract_only=True)
-
-
-def _close_nvme_tier(setup: setup_lib.Setup) -> None:
-  """Closes the NVMe store of a setup that will not be used (releasing its directory)."""
-  if setup.nvme is not None:
-    setup.nvme.close()
 
 
 def _mismatch_message(known: setup_lib.Setup, paths: Sequence[str], avals) -> str:

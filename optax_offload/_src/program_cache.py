@@ -10,9 +10,10 @@ gives its operations (`module_key_text`), the target config's text, the serializ
 compile options (with the XLA options given), ``XLA_FLAGS`` as this process first read it (XLA
 reads it once, at start-up), and the versions of jax, jaxlib, the CUDA plugin and optax_offload.
 An entry that cannot be read is a miss and is written again; entries are written to a temporary
-file and renamed into place (one a killed writer left is removed an hour later). JAX's own size bound (``jax_compilation_cache_max_size``) and minimum
-compile time do not apply to these files (the test suite's cache tidying does); a remote cache
-directory (``gs://...``) is not used for them.
+file and renamed into place (one a killed writer left is removed an hour later). JAX's own size
+bound (``jax_compilation_cache_max_size``) and minimum compile time do not apply to these files
+(the test suite's cache tidying does); a remote cache directory (``gs://...``) is not used for
+them.
 
 Examples:
   >>> import tempfile

@@ -9,6 +9,7 @@ different scales in the two groups, and compares.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -159,7 +160,7 @@ def _compiled(traced):
 _PROBED: list[tuple[object, dict]] = []
 """(inner transformation, its probe results by key) of the last few transformations probed."""
 
-_VERDICTS: dict[str, object] = {}
+_VERDICTS: collections.OrderedDict[str, object] = collections.OrderedDict()
 """Verdicts of probe programs by `_verdict_key` (the last `_VERDICTS_KEPT` used): a
 transformation built again alike (``optax.adamw(1e-2)`` in a new `offload`, or a second init)
 traces its probes but neither compiles nor runs them again."""
@@ -177,9 +178,7 @@ def _verdict_key(kind: str, traced) -> str | None:
   head = f"{kind}\n{jax.default_backend()}\n{jax.tree.structure(traced.out_info)}"
   try:
     return hashlib.sha256(head.encode() + _digest(traced.jaxpr, {}).encode()).hexdigest()
-  except _NoKey:
-    return None
-  except Exception:  # (numpy cannot read a constant)
+  except Exception:  # _NoKey, or numpy cannot read a constant
     return None
 
 
@@ -249,19 +248,18 @@ def _value(x) -> str:
 
 def _remember(key: str | None, verdict: object) -> None:
   if key is not None:
-    _VERDICTS.pop(key, None)
     _VERDICTS[key] = verdict
-    while len(_VERDICTS) > _VERDICTS_KEPT:
-      del _VERDICTS[next(iter(_VERDICTS))]
+    _VERDICTS.move_to_end(key)
+    if len(_VERDICTS) > _VERDICTS_KEPT:
+      _VERDICTS.popitem(last=False)
 
 
 def _recall(key: str | None) -> object:
   """The verdict kept under `key` (None where there is none), kept as the latest used."""
   if key not in _VERDICTS:
     return None
-  verdict = _VERDICTS.pop(key)
-  _VERDICTS[key] = verdict
-  return verdict
+  _VERDICTS.move_to_end(key)
+  return _VERDICTS[key]
 
 
 def _probe_results(inner) -> dict:

@@ -58,6 +58,11 @@ class Setup(tree_plan.TreePlan):
   def usable(self) -> bool:
     return self.nvme is None or not self.nvme.closed
 
+  def close(self) -> None:
+    """Closes the NVMe store of a setup that will not be used (releasing its directory)."""
+    if self.nvme is not None:
+      self.nvme.close()
+
 
 def device_memory() -> int | None:
   """The memory JAX may use on the first local device, when the backend reports it."""
