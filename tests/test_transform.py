@@ -2,7 +2,6 @@
 
 import functools
 import re
-import types
 import warnings
 
 import jax
@@ -418,14 +417,14 @@ def _momentum(scale_of):
 
 
 def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypatch):
-  # The separability check and the split probe compile a program each; a traced probe that
-  # computes what one before computed (its jaxpr, its constants) takes that one's verdict.
+  # The separability check and the split probe compile a program each; a transformation built
+  # from the same code and equal values (`closure_key`) takes the verdicts found for one before.
   from optax_offload._src import separable
 
   compiles = []
   real = separable._compiled
   monkeypatch.setattr(separable, "_compiled", lambda t: compiles.append(t) or real(t))
-  monkeypatch.setattr(separable, "_VERDICTS", type(separable._VERDICTS)())
+  monkeypatch.setattr(separable, "_LEARNED", type(separable._LEARNED)())
 
   def probes(tx):  # the probe programs compiled by an init
     before = len(compiles)
@@ -434,12 +433,12 @@ def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypa
 
   assert probes(optax.lamb(1e-3)) == 2
   assert probes(optax.lamb(1e-3)) == 0  # built again alike
-  assert probes(optax.lamb(1e-4)) == 2  # another learning rate: another program
+  assert probes(optax.lamb(1e-4)) == 2  # another learning rate
   for _ in range(2):  # a refusal is not kept
     with pytest.raises(ValueError, match="not separable"):
       probes(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
-  # Steps that trace as a constant one's on the whole tree, not in groups or row slices: their
-  # probes are other programs. (6 leaves: 3 / 6 is 0.5.)
+  # Steps that act as a constant one's on the whole tree, not in groups or row slices: other code,
+  # other keys. (6 leaves: 3 / 6 is 0.5.)
   assert probes(_momentum(lambda m, u: 0.5)) == 2
   with pytest.raises(ValueError, match="not separable"):
     probes(_momentum(lambda m, u: 3.0 / len(jax.tree.leaves(u))))
@@ -447,41 +446,48 @@ def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypa
   assert separable._probe_program(_momentum(lambda m, u: 0.5), keys) == {keys[0]: True}
   sliced = _momentum(lambda m, u: 2.0 if m.shape[0] == 1 else 0.5)  # row [0:1] steps farther
   assert separable._probe_program(sliced, keys) == {keys[0]: False}
-  # The values of constants count, in the jaxprs inside the probe's too (a jit's body).
+  # The values a closure holds count, arrays' too (one code: the loop's lambda).
   for value, compiled in ((0.25, 2), (0.25, 0), (0.125, 2)):
     a = jnp.asarray(value)
     assert probes(_momentum(lambda m, u, a=a: jax.jit(lambda: a)())) == compiled
-  # No key where a constant or a Python object cannot be read. (The probes trace under
-  # `jax.ensure_compile_time_eval`: a callback or a key that no traced value reaches is a constant.)
-  key = jax.random.key(0)  # a typed key: numpy cannot read it
-  assert separable._verdict_key("k", jax.jit(lambda x: jax.random.fold_in(key, x)).trace(1)) is None
-  called = jax.jit(lambda x: jax.pure_callback(lambda y: y, x, x)).trace(1.0)
-  assert separable._verdict_key("k", called) is None
-  scaled = functools.partial(np.multiply, np.float32(1e-3))  # (its repr says all here: still none)
-  called = jax.jit(lambda x: jax.pure_callback(scaled, x, x)).trace(1.0)
-  assert separable._verdict_key("k", called) is None
 
-  class Holder:  # a jaxpr inside another parameter: printed without its constants' values
-    def __init__(self, jaxpr):
-      self.jaxpr_inside = jaxpr
 
-    def __repr__(self):
-      return f"Holder({self.jaxpr_inside})"
+def test_closure_key_tells_what_a_callable_is_built_from():
+  from optax_offload._src.closure_key import closure_key
 
-  eqn = types.SimpleNamespace(
-    primitive=types.SimpleNamespace(name="kernel"), ctx=None, invars=[], outvars=[],
-    params={"grid": Holder(jax.make_jaxpr(lambda x: x * jnp.asarray(2.0))(1.0))},
-  )  # fmt: skip
-  program = types.SimpleNamespace(constvars=[], invars=[], outvars=[], eqns=[eqn])
-  with pytest.raises(separable._NoKey):
-    separable._digest(program, {})
-  # A nested jaxpr met again is told apart from another met again.
-  twice, plus_one = jax.jit(lambda x: x * 2.0), jax.jit(lambda x: x + 1.0)
-  keys = {
-    separable._verdict_key("k", jax.jit(f).trace(1.0))
-    for f in (lambda x: twice(plus_one(twice(x))), lambda x: plus_one(plus_one(twice(x))))
-  }
-  assert len(keys) == 2 and None not in keys
+  def scaled(c):
+    return lambda x: c * x
+
+  def key(f):
+    return closure_key(f)[0]
+
+  assert key(scaled(2.0)) == key(scaled(2.0)) != key(scaled(3.0))
+  assert key(scaled(2)) != key(scaled(2.0))  # an int is not a float
+  assert key(scaled(np.float32(2))) != key(scaled(np.float64(2)))
+  assert key(scaled(jnp.ones(3))) == key(scaled(np.ones(3, np.float32))) != key(scaled(jnp.ones(4)))
+  big = jnp.ones(2**18 + 1)  # over 1 MiB: by identity, not read
+  assert key(scaled(big)) == key(scaled(big)) != key(scaled(jnp.ones(2**18 + 1)))
+  assert key(scaled(lambda: 1)) != key(scaled(lambda: 1))  # two lambdas: two code objects
+  assert key(functools.partial(np.multiply, 2.0)) == key(functools.partial(np.multiply, 2.0))
+  assert key(functools.partial(np.multiply, 2.0)) != key(functools.partial(np.add, 2.0))
+
+  class Box:  # an instance enters by identity: another one, another key
+    pass
+
+  box = Box()
+  assert key(scaled(box)) == key(scaled(box)) != key(scaled(Box()))
+  held = closure_key(scaled(Box()))[1]
+  assert any(isinstance(x, Box) for x in held)  # kept alive with the key: its id is not reused
+
+  def recursive(n):  # a cycle: the function in its own closure
+    return n if n < 1 else recursive(n - 1)
+
+  assert key(recursive) is not None
+  # No key where a value cannot be read: a typed PRNG key, a tracer.
+  assert key(scaled(jax.random.key(0))) is None
+  traced = []
+  jax.jit(lambda x: traced.append(key(scaled(x))) or x)(1.0)
+  assert traced == [None]
 
 
 def test_state_that_does_not_split_per_parameter_is_refused(params):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Sequence
 
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_offload._src import _compat
+from optax_offload._src import closure_key
 from optax_offload._src import stream
 from optax_offload._src import stream_spec
 from optax_offload._src.layout import StateLayout
@@ -106,10 +105,10 @@ def splittable(
   along the factored axes (stacked 3-D leaves split along axis 0 qualify).
 
   The probes of all the shapes asked for, along both axes, run in one compiled program, and their
-  results are kept for the next call with the same `inner` (`offload` asks for the rows, then for
-  the columns; a transformation initialized again is not probed again), and by what the traced
-  probe program computes (`_verdict_key`): one built again alike, in a new `offload`, traces its
-  probes but compiles and runs none again (nor its `check_separable` once it passed).
+  results are kept for the next call with `inner` or a transformation built alike (`_learned`):
+  `offload` asks for the rows, then for the columns; a transformation initialized again, or built
+  again alike in a new `offload`, is not probed again (nor checked by `check_separable` once it
+  passed).
   """
   keys = []
   for aval, part, depth in zip(avals, per_leaf, dims):
@@ -127,7 +126,7 @@ def splittable(
       continue
     trailing = tuple(min(int(d), _PROBE_CAP) for d in shape[1:])
     keys.append((jnp.dtype(aval.dtype), trailing, tuple(depth), axis))
-  known = _probe_results(inner)
+  known = _learned(inner)
   asked = {k for k in keys if k is not None}
   if not asked <= known.keys():
     # Both axes of each shape: `offload` asks for the columns next.
@@ -157,118 +156,26 @@ def _compiled(traced):
   return traced.lower().compile(compiler_options=_PROBE_COMPILER_OPTIONS)
 
 
-_PROBED: list[tuple[object, dict]] = []
-"""(inner transformation, its probe results by key) of the last few transformations probed."""
-
-_VERDICTS: collections.OrderedDict[str, object] = collections.OrderedDict()
-"""Verdicts of probe programs by `_verdict_key` (the last `_VERDICTS_KEPT` used): a
-transformation built again alike (``optax.adamw(1e-2)`` in a new `offload`, or a second init)
-traces its probes but neither compiles nor runs them again."""
-_VERDICTS_KEPT = 64
+_LEARNED: collections.OrderedDict[str, tuple[list, dict]] = collections.OrderedDict()
+"""What the probes found of the last `_LEARNED_KEPT` transformations probed, by `closure_key` (a
+transformation built again alike, e.g. ``optax.adamw(1e-2)`` in a new `offload`, is not traced,
+compiled nor run again): (the objects its key names by identity, the verdicts by probe)."""
+_LEARNED_KEPT = 16
 
 
-def _verdict_key(kind: str, traced) -> str | None:
-  """A key of a traced probe program (``jax.jit(f).trace(...)``) by what it computes: its jaxpr,
-  equation by equation (every call of the transformation the probe makes: whole, in groups, in
-  row slices), with the values of its literals and constants and those of the jaxprs inside it,
-  its output's tree, and the backend that runs it. Two probes with one key compute the same, so
-  they reach the same verdict. None where it cannot be read: a Python object among an equation's
-  parameters (a callback: its repr may leave out what it computes), or a constant numpy cannot
-  read (a typed PRNG key)."""
-  head = f"{kind}\n{jax.default_backend()}\n{jax.tree.structure(traced.out_info)}"
-  try:
-    return hashlib.sha256(head.encode() + _digest(traced.jaxpr, {}).encode()).hexdigest()
-  except Exception:  # _NoKey, or numpy cannot read a constant
-    return None
-
-
-class _NoKey(Exception):
-  pass
-
-
-_RULE_PARAMS = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd"})
-"""Parameters of ``custom_jvp_call`` and ``custom_vjp_call`` holding differentiation rules: the
-probes never differentiate, so they leave these out of the key (the call's body is in it)."""
-
-
-def _digest(jaxpr, done: dict) -> str:
-  """A sha256 of `jaxpr` (closed or open): its constants' values, its variables by number, each
-  equation's primitive, context, parameters (a nested jaxpr by its own digest, kept in `done` by
-  id) and types, its literals' types and values. `jaxpr.pretty_print` says about as much, at
-  several times the cost, and leaves constants out."""
-  if id(jaxpr) in done:
-    return done[id(jaxpr)]
-  consts = list(getattr(jaxpr, "consts", ()))
-  open_jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # (jax >= 0.11: the closed jaxpr itself)
-  numbers: dict = {}
-
-  def number(v) -> str:
-    if isinstance(v, _compat.Literal):
-      return f"literal {v.aval} {_value(v.val)}"
-    return str(numbers.setdefault(v, len(numbers)))
-
-  parts: list = [[_value(c) for c in consts]]
-  parts.append([(number(v), f"{v.aval}") for v in (*open_jaxpr.constvars, *open_jaxpr.invars)])
-  for eqn in open_jaxpr.eqns:
-    parts.append([eqn.primitive.name, repr(eqn.ctx), [number(v) for v in eqn.invars]])
-    for k in sorted(eqn.params):
-      p = eqn.params[k]
-      subs = p if isinstance(p, (tuple, list)) else (p,)
-      if subs and all(hasattr(sub, "eqns") or hasattr(sub, "jaxpr") for sub in subs):
-        parts.append([k, [_digest(sub, done) for sub in subs]])
-      elif k in _RULE_PARAMS and eqn.primitive.name.startswith("custom_"):
-        continue
-      else:
-        parts.append([k, _param_text(k, p)])
-    parts.append([(number(v), f"{v.aval}") for v in eqn.outvars])
-  parts.append([number(v) for v in open_jaxpr.outvars])
-  text = repr(parts)
-  if any(s in text for s in (" at 0x", "...", "rray(", "{ lambda")):
-    # An object named by address, something cut short, an array or a jaxpr printed (inside
-    # another parameter, e.g. Pallas's grid mapping: without its constants' values).
-    raise _NoKey()
-  done[id(jaxpr)] = hashlib.sha256(text.encode()).hexdigest()
-  return done[id(jaxpr)]
-
-
-def _param_text(name: str, p) -> str:
-  """An equation parameter's repr, where it says all of it: a callable one (a callback, a
-  function) may not say what it computes, so it has no key (a mesh, callable as a context
-  manager, says all)."""
-  if callable(p) and not isinstance(p, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-    raise _NoKey(name)
-  return repr(p)
-
-
-def _value(x) -> str:
-  """A constant's or literal's type and value, exactly."""
-  a = np.asarray(x)
-  return f"{a.dtype}{a.shape}{hashlib.sha256(a.tobytes()).hexdigest()}"
-
-
-def _remember(key: str | None, verdict: object) -> None:
-  if key is not None:
-    _VERDICTS[key] = verdict
-    _VERDICTS.move_to_end(key)
-    if len(_VERDICTS) > _VERDICTS_KEPT:
-      _VERDICTS.popitem(last=False)
-
-
-def _recall(key: str | None) -> object:
-  """The verdict kept under `key` (None where there is none), kept as the latest used."""
-  if key not in _VERDICTS:
-    return None
-  _VERDICTS.move_to_end(key)
-  return _VERDICTS[key]
-
-
-def _probe_results(inner) -> dict:
-  for probed, results in _PROBED:
-    if probed is inner:
-      return results
-  _PROBED.insert(0, (inner, {}))
-  del _PROBED[8:]
-  return _PROBED[0][1]
+def _learned(inner) -> dict:
+  """The verdicts of the probes of `inner`, or of a transformation built alike, kept as the latest
+  used (a new dict where there are none)."""
+  key, held = closure_key.closure_key(inner)
+  if key is None:  # (a tracer or an unreadable array in a closure: by identity)
+    key, held = f"id {id(inner)}", [inner]
+  key = f"{jax.default_backend()} x64={jax.config.jax_enable_x64} {key}"
+  if key not in _LEARNED:
+    _LEARNED[key] = (held, {})
+    if len(_LEARNED) > _LEARNED_KEPT:
+      _LEARNED.popitem(last=False)
+  _LEARNED.move_to_end(key)
+  return _LEARNED[key][1]
 
 
 def _probe(inner, keys: Sequence[tuple]) -> tuple[dict[tuple, bool], set[tuple]]:
@@ -400,16 +307,10 @@ def _probe_program(inner, keys: Sequence[tuple]) -> dict[tuple, bool]:
     # ~0.3 s.
     args = [(p.params, p.grads) for p in probes]
     program = jax.jit(lambda args: [p.run(inner, *a) for p, a in zip(probes, args)])
-    traced = program.trace(args)
-    key = _verdict_key(f"split {keys!r} {[p.ok for p in probes]!r}", traced)
-    known = _recall(key)
-    if known is not None:
-      return dict(known)
-    outs = jax.device_get(_compiled(traced)(args))
+    outs = jax.device_get(_compiled(program.trace(args))(args))
   result = {}
   for p, out in zip(probes, outs):
     result.update(p.check(out))
-  _remember(key, dict(result))
   return result
 
 
@@ -432,6 +333,15 @@ def check_separable(
   """
   n = layout.num_leaves
   if n < 2 or not all(jnp.issubdtype(a.dtype, jnp.floating) for a in avals):
+    return
+  learned = _learned(inner)
+  # (it runs on a miniature of the tree: what it finds holds for the trees of that miniature)
+  asked = (
+    "separable",
+    str(layout.params_treedef),
+    tuple((jnp.dtype(a.dtype), _miniature(a.shape)) for a in avals),
+  )
+  if learned.get(asked):  # (only passes are kept)
     return
   rng = np.random.default_rng(0)
   groups = (tuple(range(0, n, 2)), tuple(range(1, n, 2)))
@@ -460,11 +370,7 @@ def check_separable(
   with jax.ensure_compile_time_eval():
     try:
       # Compiled, not op by op, in one program (see `_probe_program`).
-      traced = joint_and_grouped.trace(params, grads)
-      key = _verdict_key(f"separable {groups!r} {layout.params_treedef}", traced)
-      if _recall(key):  # (only passes are kept)
-        return
-      out = jax.device_get(_compiled(traced)(params, grads))
+      out = jax.device_get(_compiled(joint_and_grouped.trace(params, grads))(params, grads))
     except Exception as e:  # the probe is a best effort; the real update reports real errors
       logger.warning(
         "offload: could not check that the inner transformation is separable (%s: %s); "
@@ -476,7 +382,7 @@ def check_separable(
   for joint, split in out:
     for i in range(n):
       _compare(paths[i], avals[i].dtype, joint[i], split[i])
-  _remember(key, True)
+  learned[asked] = True
 
 
 class _NotSeparable(ValueError):
