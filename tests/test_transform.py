@@ -2,6 +2,8 @@
 
 import functools
 import re
+import sys
+import types
 import warnings
 
 import jax
@@ -417,8 +419,8 @@ def _momentum(scale_of):
 
 
 def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypatch):
-  # The separability check and the split probe compile a program each; a transformation built
-  # from the same code and equal values (`closure_key`) takes the verdicts found for one before.
+  # The separability check and the split probe compile a program each; a transformation of
+  # optax's code built with equal values (`closure_key`) takes the verdicts found for one before.
   from optax_offload._src import separable
 
   compiles = []
@@ -434,60 +436,69 @@ def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypa
   assert probes(optax.lamb(1e-3)) == 2
   assert probes(optax.lamb(1e-3)) == 0  # built again alike
   assert probes(optax.lamb(1e-4)) == 2  # another learning rate
+  for value, compiled in ((0.25, 2), (0.25, 0), (0.125, 2)):  # an array's value counts
+    assert probes(optax.sgd(jnp.asarray(value), momentum=0.9)) == compiled
   for _ in range(2):  # a refusal is not kept
     with pytest.raises(ValueError, match="not separable"):
       probes(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
-  # Steps that act as a constant one's on the whole tree, not in groups or row slices: other code,
-  # other keys. (6 leaves: 3 / 6 is 0.5.)
-  assert probes(_momentum(lambda m, u: 0.5)) == 2
+  # Code of other modules is probed at every build: what it reads may change (a global here).
+  assert probes(_momentum(_global_scale)) == 2
+  assert probes(_momentum(_global_scale)) == 2
+  monkeypatch.setattr(sys.modules[__name__], "_DIVIDE_BY_LEAVES", True)
   with pytest.raises(ValueError, match="not separable"):
-    probes(_momentum(lambda m, u: 3.0 / len(jax.tree.leaves(u))))
+    probes(_momentum(_global_scale))
+  # The probes themselves: a step that acts as a constant one's on the whole tree, not in row
+  # slices, is not split.
   keys = [(np.dtype("float32"), (256,), (2,), 0)]
   assert separable._probe_program(_momentum(lambda m, u: 0.5), keys) == {keys[0]: True}
   sliced = _momentum(lambda m, u: 2.0 if m.shape[0] == 1 else 0.5)  # row [0:1] steps farther
   assert separable._probe_program(sliced, keys) == {keys[0]: False}
-  # The values a closure holds count, arrays' too (one code: the loop's lambda).
-  for value, compiled in ((0.25, 2), (0.25, 0), (0.125, 2)):
-    a = jnp.asarray(value)
-    assert probes(_momentum(lambda m, u, a=a: jax.jit(lambda: a)())) == compiled
 
 
-def test_closure_key_tells_what_a_callable_is_built_from():
+_DIVIDE_BY_LEAVES = False
+
+
+def _global_scale(m, u):
+  """0.5, or (with `_DIVIDE_BY_LEAVES`) 3 / the number of leaves of the call: 0.5 on the tests'
+  tree of 6 leaves, another step in groups."""
+  return 3.0 / len(jax.tree.leaves(u)) if _DIVIDE_BY_LEAVES else 0.5
+
+
+def test_closure_key_tells_what_a_transformation_is_built_from():
   from optax_offload._src.closure_key import closure_key
 
-  def scaled(c):
-    return lambda x: c * x
+  def key(tx):
+    return closure_key(tx)[0]
 
-  def key(f):
-    return closure_key(f)[0]
-
-  assert key(scaled(2.0)) == key(scaled(2.0)) != key(scaled(3.0))
-  assert key(scaled(2)) != key(scaled(2.0))  # an int is not a float
-  assert key(scaled(np.float32(2))) != key(scaled(np.float64(2)))
-  assert key(scaled(jnp.ones(3))) == key(scaled(np.ones(3, np.float32))) != key(scaled(jnp.ones(4)))
-  big = jnp.ones(2**18 + 1)  # over 1 MiB: by identity, not read
-  assert key(scaled(big)) == key(scaled(big)) != key(scaled(jnp.ones(2**18 + 1)))
-  assert key(scaled(lambda: 1)) != key(scaled(lambda: 1))  # two lambdas: two code objects
-  assert key(functools.partial(np.multiply, 2.0)) == key(functools.partial(np.multiply, 2.0))
-  assert key(functools.partial(np.multiply, 2.0)) != key(functools.partial(np.add, 2.0))
-
-  class Box:  # an instance enters by identity: another one, another key
-    pass
-
-  box = Box()
-  assert key(scaled(box)) == key(scaled(box)) != key(scaled(Box()))
-  held = closure_key(scaled(Box()))[1]
-  assert any(isinstance(x, Box) for x in held)  # kept alive with the key: its id is not reused
-
-  def recursive(n):  # a cycle: the function in its own closure
-    return n if n < 1 else recursive(n - 1)
-
-  assert key(recursive) is not None
-  # No key where a value cannot be read: a typed PRNG key, a tracer.
-  assert key(scaled(jax.random.key(0))) is None
+  assert key(optax.scale(2.0)) == key(optax.scale(2.0)) != key(optax.scale(3.0))
+  assert key(optax.scale(2)) != key(optax.scale(2.0))  # an int is not a float
+  assert key(optax.scale(np.float32(2))) != key(optax.scale(np.float64(2)))
+  assert key(optax.scale(jnp.bfloat16(1))) != key(optax.scale(jnp.float16(1)))
+  assert key(optax.scale(jnp.asarray(2.0))) != key(optax.scale(jnp.float32(2.0)))  # weak type
+  assert (
+    key(optax.scale(jnp.ones(3))) == key(optax.scale(jnp.ones(3))) != key(optax.scale(jnp.ones(4)))
+  )
+  big = jnp.ones(2**18 + 1)  # over 1 MiB: by identity, not read (it cannot change)
+  assert key(optax.scale(big)) == key(optax.scale(big)) != key(optax.scale(jnp.ones(2**18 + 1)))
+  held = closure_key(optax.scale(big))[1]
+  assert any(x is big for x in held)  # kept alive with the key: its id is not reused
+  assert key(optax.scale(np.ones(2**18 + 1, np.float32))) is None  # a numpy array may change
+  # Code of other modules, or an object that may change: no key.
+  assert key(optax.sgd(lambda step: 1e-2)) is None
+  assert key(optax.scale(types.SimpleNamespace(value=2.0))) is None
+  assert key(optax.scale(functools.partial(np.multiply, 2.0))) is not None  # numpy's code
+  # No key where a value cannot be read, nor where the walk would go too deep.
+  assert key(optax.scale(jax.random.key(0))) is None  # a typed PRNG key
   traced = []
-  jax.jit(lambda x: traced.append(key(scaled(x))) or x)(1.0)
+  jax.jit(lambda x: traced.append(key(optax.scale(x))) or x)(1.0)
   assert traced == [None]
+  deep = []
+  for _ in range(5000):
+    deep = [deep]
+  assert key(optax.scale(deep)) is None
+  cycle = [1.0]
+  cycle.append(cycle)
+  assert key(optax.scale(cycle)) == key(optax.scale(cycle))
 
 
 def test_state_that_does_not_split_per_parameter_is_refused(params):

@@ -1,17 +1,19 @@
-"""A key of a Python callable (or a tree of them) by what it is built from, not by its identity.
+"""A key of a transformation (a tree of callables) by what it is built from, not by its identity.
 
 ``optax.adamw(1e-2)`` built twice gives two transformations with the same code and equal values in
 their closures: `closure_key` gives both one key, so that what was learned about the first (the
-separability check, the split probes: `separable`) holds for the second without tracing it. A
-function is its code object and globals (by identity), its defaults, its closure's contents and its
-attributes; a ``functools.partial`` its function and arguments; tuples, lists and dicts their
-items; scalars, strings, dtypes and arrays (numpy or jax, up to 1 MiB) their values. Any other
-object (a larger array, a class, a builtin, a jitted function, an instance) enters by identity,
-kept alive by the key's holder so that its id is not reused while the key is kept.
+separability check, the split probes: `separable`) holds for the second without tracing it.
 
-As with a transformation kept by identity, or a function that ``jax.jit`` caches, what the code
-reads from mutable objects (module globals, an instance's attributes) is assumed not to change
-between the calls one key serves.
+Only code of optax, optax_offload, jax and numpy enters, as its code object (by identity), its
+defaults, its closure's contents and its attributes: their modules' globals are taken not to
+change (as ``jax.jit`` takes them). Code of any other module gives no key: what it reads (a global
+a sweep sets, an object's attribute) may change between two builds alike. A ``functools.partial``
+enters as its function and arguments; a bound method as its function and object; tuples, lists,
+dicts and named tuples as their items; scalars, strings, dtypes and arrays (numpy or jax, up to
+1 MiB) as their values. Modules, classes, builtins, numpy ufuncs, loggers and jax arrays over 1 MiB
+(not read) enter by identity, kept alive with the key so that their ids are not reused while it is
+kept. Anything else (an instance of another class, a set, a larger numpy array, a tracer) gives
+no key.
 
   >>> import optax
   >>> a, _ = closure_key(optax.adamw(1e-2))
@@ -26,6 +28,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import logging
 import types
 from typing import Any
 
@@ -33,10 +36,20 @@ import jax
 import numpy as np
 
 _MAX_NODES = 100_000
-"""Objects walked at most: a callable closing over more gets no key."""
+"""Objects walked at most: a callable built from more gets no key."""
 _MAX_VALUE_BYTES = 2**20
-"""Arrays up to this size enter by value, larger ones by identity (not read: a jax array on the
-device is not copied)."""
+"""Arrays, strings and bytes up to this size enter by value."""
+_MAX_VALUE_BYTES_IN_ALL = 16 * 2**20
+"""Bytes read by value at most in one key (beyond: jax arrays by identity, numpy arrays no key)."""
+
+_TRUSTED = frozenset({"optax", "optax_offload", "jax", "jaxlib", "numpy"})
+"""Packages whose code enters a key (its module globals taken not to change)."""
+_JITTED = type(jax.jit(lambda x: x))
+_BY_IDENTITY = (type, types.ModuleType, np.ufunc, logging.Logger, types.BuiltinFunctionType)
+
+
+def _trusted(f: Any) -> bool:
+  return str(getattr(f, "__module__", None)).partition(".")[0] in _TRUSTED
 
 
 class _NoKey(Exception):
@@ -44,77 +57,109 @@ class _NoKey(Exception):
 
 
 def closure_key(obj: Any) -> tuple[str | None, list[Any]]:
-  """A sha256 of what `obj` is built from (None where it cannot be read: a tracer, an array numpy
-  cannot read), with the objects it names by identity: keep them alive as long as the key."""
-  held: list[Any] = []
-  parts: list[Any] = []
+  """A sha256 of what `obj` is built from, with the objects it names by identity (keep them alive
+  as long as the key); None (and no objects) where it has no key."""
+  walk = _Walk()
   try:
-    _walk(obj, parts, {}, held)
-  except _NoKey:
+    walk(obj)
+  except Exception:  # _NoKey; or too deep (RecursionError), a repr refused (a huge int)
     return None, []
-  return hashlib.sha256(repr(parts).encode()).hexdigest(), held
+  return hashlib.sha256(repr(walk.out).encode()).hexdigest(), walk.held
 
 
-def _ident(x: Any, held: list[Any]) -> tuple[str, int]:
-  held.append(x)
-  return ("id", id(x))
+class _Walk:
+  """A preorder walk: each kind of node has a fixed number of children."""
 
+  def __init__(self):
+    self.out: list[Any] = []
+    self.seen: dict[int, int] = {}
+    self.alive: list[Any] = []  # every node walked, so that the ids in `seen` stay the walk's
+    self.held: list[Any] = []  # the nodes keyed by identity
+    self.read = 0  # bytes read by value
 
-def _walk(x: Any, out: list[Any], seen: dict[int, int], held: list[Any]) -> None:
-  if id(x) in seen:  # met before (shared, or a cycle)
-    out.append(("seen", seen[id(x)]))
-    return
-  if len(seen) >= _MAX_NODES:
-    raise _NoKey()
-  seen[id(x)] = len(seen)
-  held.append(x)  # (so that the ids in `seen` stay this walk's)
-  kind = type(x)
-  if x is None or kind in (bool, int, float, complex, str, bytes):
-    out.append((kind.__name__, repr(x)))
-  elif isinstance(x, np.dtype):
-    out.append(("dtype", x.str, x.name))
-  elif isinstance(x, (np.ndarray, np.generic, jax.Array)):
-    if x.nbytes > _MAX_VALUE_BYTES:  # (not read: by identity)
-      out.append(("large array", _ident(x, held)))
+  def ident(self, x: Any) -> tuple[str, int]:
+    self.held.append(x)
+    return ("id", id(x))
+
+  def __call__(self, x: Any) -> None:
+    if id(x) in self.seen:  # met before (shared, or a cycle)
+      self.out.append(("seen", self.seen[id(x)]))
+      return
+    if len(self.seen) >= _MAX_NODES:
+      raise _NoKey()
+    self.seen[id(x)] = len(self.seen)
+    self.alive.append(x)
+    kind = type(x)
+    if isinstance(x, jax.core.Tracer):
+      raise _NoKey()
+    if x is None or kind in (bool, int, float, complex):
+      self.out.append((kind.__name__, repr(x)))
+    elif kind in (str, bytes):
+      big = len(x) > _MAX_VALUE_BYTES
+      self.out.append((kind.__name__, self.ident(x) if big else repr(x)))
+    elif isinstance(x, np.dtype):
+      self.out.append(("dtype", repr(x)))
+    elif kind is np.ndarray or isinstance(x, np.generic):
+      if x.nbytes > _MAX_VALUE_BYTES or self.read + x.nbytes > _MAX_VALUE_BYTES_IN_ALL:
+        raise _NoKey()  # (a numpy array may change in place)
+      self.out.append(("numpy", self.value(x)))
+    elif isinstance(x, jax.Array):
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # (a typed PRNG key)
+        raise _NoKey()
+      if x.nbytes > _MAX_VALUE_BYTES or self.read + x.nbytes > _MAX_VALUE_BYTES_IN_ALL:
+        self.out.append(("jax", self.ident(x)))  # (not read: it cannot change)
+      else:
+        self.out.append(("jax", x.weak_type, self.value(x)))
+    elif isinstance(x, enum.Enum):
+      self.out.append(("enum", self.ident(kind)))
+      self(x.value)
+    elif kind in (tuple, list, dict):
+      self.out.append((kind.__name__, len(x)))
+      for item in x.items() if kind is dict else x:
+        self(item)
+    elif isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
+      self.out.append(("named tuple", self.ident(kind), len(x)))
+      for item in x:
+        self(item)
+    elif kind is functools.partial:
+      self.out.append(("partial",))
+      for item in (x.func, x.args, x.keywords):
+        self(item)
+    elif kind is types.MethodType:
+      self.out.append(("method",))
+      self(x.__func__)
+      self(x.__self__)
+    elif kind is types.FunctionType and _trusted(x):
+      self.out.append(("function", self.ident(x.__code__)))
+      cells = [_cell(c) for c in x.__closure__ or ()]
+      for item in (x.__defaults__, x.__kwdefaults__, cells, x.__dict__):
+        self(item)
+    elif isinstance(x, (_JITTED, jax.custom_jvp, jax.custom_vjp)) and _trusted(x):
+      self.out.append(("jax function", self.ident(x)))
+    elif kind is types.BuiltinFunctionType and not isinstance(
+      x.__self__, (types.ModuleType, type(None))
+    ):  # a builtin method of an object: the object's
+      self.out.append(("builtin method", x.__name__, self.ident(type(x.__self__))))
+      self(x.__self__)
+    elif isinstance(x, _BY_IDENTITY):
+      self.out.append(("object", self.ident(x)))
+    elif x is _EMPTY:
+      self.out.append(("empty cell",))
     else:
-      out.append(("array", _value(x)))
-  elif isinstance(x, enum.Enum):
-    out.append(("enum", _ident(kind, held), x.name))
-  elif kind in (tuple, list, dict) or (isinstance(x, tuple) and hasattr(x, "_fields")):
-    out.append((kind.__name__, _ident(kind, held), len(x)))
-    for item in x.items() if isinstance(x, dict) else x:
-      _walk(item, out, seen, held)
-  elif isinstance(x, functools.partial):
-    out.append(("partial",))
-    for item in (x.func, x.args, x.keywords):
-      _walk(item, out, seen, held)
-  elif isinstance(x, types.MethodType):
-    out.append(("method",))
-    _walk(x.__func__, out, seen, held)
-    _walk(x.__self__, out, seen, held)
-  elif isinstance(x, types.FunctionType):
-    out.append(("function", _ident(x.__code__, held), _ident(x.__globals__, held)))
-    cells = []
-    for cell in x.__closure__ or ():
-      try:
-        cells.append(cell.cell_contents)
-      except ValueError:  # an empty cell
-        cells.append(_EMPTY)
-    for item in (x.__defaults__, x.__kwdefaults__, cells, x.__dict__):
-      _walk(item, out, seen, held)
-  else:
-    out.append(("object", _ident(x, held)))
+      raise _NoKey()
+
+  def value(self, x: Any) -> tuple[str, tuple[int, ...], str]:
+    """An array's dtype, shape and the sha256 of its bytes."""
+    a = np.asarray(x)  # (a deleted array raises)
+    self.read += a.nbytes
+    return (repr(a.dtype), a.shape, hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest())
 
 
 _EMPTY = object()
 
 
-def _value(x: Any) -> tuple[str, tuple[int, ...], str]:
-  """An array's dtype, shape and the sha256 of its bytes."""
-  if isinstance(x, jax.core.Tracer) or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
-    raise _NoKey()
+def _cell(cell: Any) -> Any:
   try:
-    a = np.asarray(x)
-  except Exception as e:  # a deleted (donated) array
-    raise _NoKey() from e
-  return (a.dtype.str, a.shape, hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest())
+    return cell.cell_contents
+  except ValueError:  # an empty cell
+    return _EMPTY

@@ -167,9 +167,10 @@ def _learned(inner) -> dict:
   """The verdicts of the probes of `inner`, or of a transformation built alike, kept as the latest
   used (a new dict where there are none)."""
   key, held = closure_key.closure_key(inner)
-  if key is None:  # (a tracer or an unreadable array in a closure: by identity)
+  if key is None:  # (code of another package, an object that may change: by identity)
     key, held = f"id {id(inner)}", [inner]
-  key = f"{jax.default_backend()} x64={jax.config.jax_enable_x64} {key}"
+  config = (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)
+  key = f"{jax.default_backend()} {config} {key}"
   if key not in _LEARNED:
     _LEARNED[key] = (held, {})
     if len(_LEARNED) > _LEARNED_KEPT:
@@ -338,7 +339,7 @@ def check_separable(
   # (it runs on a miniature of the tree: what it finds holds for the trees of that miniature)
   asked = (
     "separable",
-    str(layout.params_treedef),
+    layout.params_treedef,
     tuple((jnp.dtype(a.dtype), _miniature(a.shape)) for a in avals),
   )
   if learned.get(asked):  # (only passes are kept)
