@@ -449,7 +449,7 @@ def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypa
     probes(_momentum(_global_scale))
   # The probes themselves: a step that acts as a constant one's on the whole tree, not in row
   # slices, is not split.
-  keys = [(np.dtype("float32"), (256,), (2,), 0)]
+  keys = [(np.dtype("float32"), (256,), (2,), 0, jax.tree.structure((0.0,)))]
   assert separable._probe_program(_momentum(lambda m, u: 0.5), keys) == {keys[0]: True}
   sliced = _momentum(lambda m, u: 2.0 if m.shape[0] == 1 else 0.5)  # row [0:1] steps farther
   assert separable._probe_program(sliced, keys) == {keys[0]: False}
@@ -684,3 +684,25 @@ def test_uncommitted_params_on_an_accelerator_warn_once(monkeypatch):
   with warnings.catch_warnings():  # once per process
     warnings.simplefilter("error")
     tx.init({"w": jnp.zeros((128, 64))})
+
+
+def test_a_rule_picked_by_path_is_probed_with_that_rule():
+  # optax.multi_transform picks lamb for 'w' by its path; the split probe's own tree has other
+  # paths, so its leaf gets adam's state, not lamb's: 'w' is not split in row slices (lamb's trust
+  # ratio takes the whole leaf; split, it was 3% off plain optax).
+  def labels(params):
+    return jax.tree_util.tree_map_with_path(
+      lambda path, _: "lamb" if "w" in jax.tree_util.keystr(path) else "adam", params
+    )
+
+  def make():
+    return optax.multi_transform({"adam": optax.adam(1e-2), "lamb": optax.lamb(1e-2)}, labels)
+
+  rng = np.random.default_rng(0)
+  params = {k: jnp.asarray(rng.normal(size=(64, 64)), jnp.float32) for k in ("w", "b")}
+  grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+  grads["w"] = grads["w"].at[0].multiply(1e3)
+  tx = oo.offload(make(), window_bytes=2 * 64 * 64 * 4, min_size=16)
+  got, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  want, _ = make().update(grads, make().init(params), params)
+  assert_close(got, want)

@@ -125,13 +125,13 @@ def splittable(
       keys.append(None)
       continue
     trailing = tuple(min(int(d), _PROBE_CAP) for d in shape[1:])
-    keys.append((jnp.dtype(aval.dtype), trailing, tuple(depth), axis))
+    keys.append((jnp.dtype(aval.dtype), trailing, tuple(depth), axis, jax.tree.structure(part)))
   known = _learned(inner)
   asked = {k for k in keys if k is not None}
   if not asked <= known.keys():
     # Both axes of each shape: `offload` asks for the columns next.
     both = {
-      k[:3] + (a,)
+      k[:3] + (a,) + k[4:]
       for k in asked
       for a in (0, 1)
       if a <= len(k[1]) and min(k[2]) > a and (a == 0 or k[1][0] >= 2)
@@ -180,9 +180,10 @@ def _learned(inner) -> dict:
 
 
 def _probe(inner, keys: Sequence[tuple]) -> tuple[dict[tuple, bool], set[tuple]]:
-  """The split probes of ``(dtype, trailing axes, depth, axis)`` keys in one program, each key a
-  leaf of one probe tree (the leaves' updates are independent: `check_separable`); one program a
-  key if that fails, so that a key the probe cannot run stays whole alone.
+  """The split probes of ``(dtype, trailing axes, depth, axis, state structure)`` keys in one
+  program, each key a leaf of one probe tree (the leaves' updates are independent:
+  `check_separable`); one program a key if that fails, so that a key the probe cannot run stays
+  whole alone.
 
   Returns:
     (each key's verdict, the keys whose probe failed: not split, and not kept for the next call).
@@ -217,7 +218,7 @@ class _Probe:
   params: tuple[np.ndarray, ...]
   grads: list[tuple[np.ndarray, ...]]
   spec: stream_spec.StreamSpec
-  ok: list[bool]  # the state shares the split axes with the param as the key says
+  ok: list[bool]  # the state is the key's, sharing the split axes with the param as it says
 
   @classmethod
   def make(cls, inner, keys: list[tuple], axis: int, rng) -> _Probe:
@@ -225,8 +226,14 @@ class _Probe:
     params = tuple((rng.normal(size=s) + 0.5).astype(k[0]) for s, k in zip(shapes, keys))
     layout = StateLayout(inner, jax.tree.structure(params))
     per_leaf = layout.split(jax.eval_shape(inner.init, params))[1]
-    ok = [shared_dims(part, s) == k[2] for part, s, k in zip(per_leaf, shapes, keys)]
-    # A key whose state does not share the split axes is not split (and is not separable).
+    depths = [shared_dims(part, s) for part, s in zip(per_leaf, shapes)]
+    # A key whose state does not share the split axes is not split (and is not separable); nor one
+    # whose probe leaf gets another rule's state than the leaf's (a transformation that picks its
+    # rule by the leaf's path, as optax.multi_transform or masked may, runs another on the probe's
+    # leaf).
+    ok = [
+      d == k[2] and jax.tree.structure(part) == k[4] for part, d, k in zip(per_leaf, depths, keys)
+    ]
     if axis == 0:
       units = [(Piece(n, 0, 1),) if good else (Piece(n),) for n, good in enumerate(ok)]
       units += [(Piece(n, 1, s[0]),) for n, (s, good) in enumerate(zip(shapes, ok)) if good]
@@ -234,7 +241,7 @@ class _Probe:
     else:
       units = [(Piece(n),) for n in range(len(keys))]
       chunks = tuple(((1, 2) if good else (0, 1),) for good in ok)
-    spec = _device_spec(tuple(units), per_leaf, tuple(k[2] for k in keys), chunks)
+    spec = _device_spec(tuple(units), per_leaf, tuple(depths), chunks)
     grads = []
     for scale in _GROUP_SCALES:
       step = []
