@@ -706,3 +706,56 @@ def test_a_rule_picked_by_path_is_probed_with_that_rule():
   got, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   want, _ = make().update(grads, make().init(params), params)
   assert_close(got, want)
+
+
+def test_bfloat16_params_are_split_only_where_the_update_allows():
+  # The split probe allows an ulp of the params only to updates wider than them (master weights):
+  # lamb's trust ratio over the leaf moves a bfloat16 update by less than the params' ulp, so it
+  # passed before as split; adamw's update is elementwise.
+  from optax_offload._src import tree_plan
+
+  avals = [jax.ShapeDtypeStruct((512, 256), jnp.bfloat16) for _ in range(2)]
+
+  def rows(tx, master=None):
+    inner = tree_plan.offloaded_inner(tx, master)
+    treedef = jax.tree.structure(["a", "b"])
+    leaves = tree_plan.derive_leaves(
+      inner, treedef, ["[0]", "[1]"], avals, [None, None], min_size=1024, check_separable=False
+    ).leaves
+    return [leaf.rows for leaf in leaves]
+
+  assert rows(optax.lamb(1e-3)) == [0, 0]
+  assert rows(optax.lamb(1e-3), jnp.float32) == [0, 0]
+  assert rows(optax.adamw(1e-3)) == [512, 512]
+  assert rows(optax.adamw(1e-3), jnp.float32) == [512, 512]
+
+
+def test_a_split_verdict_does_not_depend_on_the_keys_probed_beside_it():
+  from optax_offload._src import separable
+
+  inner = optax.adamw(1e-3)
+  a = (np.dtype("float32"), (64,), (2, 2), 0, jax.tree.structure((0.0, 0.0)))
+  b = (np.dtype("bfloat16"), (32, 16), (2, 2), 0, jax.tree.structure((0.0, 0.0)))
+  probes = [separable._Probe.make(inner, keys, 0) for keys in ([a], [b, a])]
+  np.testing.assert_array_equal(probes[0].params[0], probes[1].params[1])
+  for g0, g1 in zip(probes[0].grads, probes[1].grads):
+    np.testing.assert_array_equal(g0[0], g1[1])
+
+
+def test_closure_key_of_user_code_dressed_as_the_librarys():
+  from optax_offload._src.closure_key import closure_key
+
+  base = optax.sgd(1e-2)
+
+  @functools.wraps(base.update)  # __module__ says optax; its globals are this module's
+  def update(u, s, p=None):
+    return base.update(u, s, p)
+
+  assert update.__module__.startswith("optax")
+  assert closure_key(optax.GradientTransformation(base.init, update))[0] is None
+
+  # optax's own objects around a schedule (inject_hyperparams' WrappedSchedule) get one.
+  def make():
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=optax.linear_schedule(1e-3, 0, 9))
+
+  assert closure_key(make())[0] == closure_key(make())[0] is not None

@@ -4,16 +4,19 @@
 their closures: `closure_key` gives both one key, so that what was learned about the first (the
 separability check, the split probes: `separable`) holds for the second without tracing it.
 
-Only code of optax, optax_offload, jax and numpy enters, as its code object (by identity), its
+Only code of optax, optax_offload, jax, jaxlib and numpy enters (a function by the module of its
+globals, which ``functools.wraps`` does not change), as its code object (by identity), its
 defaults, its closure's contents and its attributes: their modules' globals are taken not to
 change (as ``jax.jit`` takes them). Code of any other module gives no key: what it reads (a global
 a sweep sets, an object's attribute) may change between two builds alike. A ``functools.partial``
-enters as its function and arguments; a bound method as its function and object; tuples, lists,
-dicts and named tuples as their items; scalars, strings, dtypes and arrays (numpy or jax, up to
-1 MiB) as their values. Modules, classes, builtins, numpy ufuncs, loggers and jax arrays over 1 MiB
-(not read) enter by identity, kept alive with the key so that their ids are not reused while it is
-kept. Anything else (an instance of another class, a set, a larger numpy array, a tracer) gives
-no key.
+enters as its function and arguments; a bound method as its function and object; a jitted or
+custom-derivative function as the functions it wraps; an instance of those packages' classes
+(optax's ``WrappedSchedule``) as its class and attributes; tuples, lists, dicts and named tuples
+as their items; scalars, strings, dtypes and arrays (numpy or jax, up to 1 MiB) as their values.
+Those packages' classes, modules, builtins (theirs and Python's), numpy ufuncs, loggers and jax
+arrays over 1 MiB (not read) enter by identity, kept alive with the key so that their ids are not
+reused while it is kept. Anything else (an instance of another class, a set, a larger numpy
+array, a tracer) gives no key.
 
   >>> import optax
   >>> a, _ = closure_key(optax.adamw(1e-2))
@@ -43,13 +46,19 @@ _MAX_VALUE_BYTES_IN_ALL = 16 * 2**20
 """Bytes read by value at most in one key (beyond: jax arrays by identity, numpy arrays no key)."""
 
 _TRUSTED = frozenset({"optax", "optax_offload", "jax", "jaxlib", "numpy"})
-"""Packages whose code enters a key (its module globals taken not to change)."""
+"""Packages whose code enters a key (their module globals taken not to change)."""
+_BUILTIN_MODULES = _TRUSTED | {"builtins", "math", "operator", "_operator"}
 _JITTED = type(jax.jit(lambda x: x))
-_BY_IDENTITY = (type, types.ModuleType, np.ufunc, logging.Logger, types.BuiltinFunctionType)
 
 
-def _trusted(f: Any) -> bool:
-  return str(getattr(f, "__module__", None)).partition(".")[0] in _TRUSTED
+def _trusted(module: Any) -> bool:
+  """Whether a module name is of `_TRUSTED`'s packages."""
+  return str(module).partition(".")[0] in _TRUSTED
+
+
+def _library_class(kind: type) -> bool:
+  """A class whose methods are all the library's (its instances run no other code)."""
+  return all(c is object or _trusted(c.__module__) for c in kind.__mro__)
 
 
 class _NoKey(Exception):
@@ -100,6 +109,8 @@ class _Walk:
     elif isinstance(x, np.dtype):
       self.out.append(("dtype", repr(x)))
     elif kind is np.ndarray or isinstance(x, np.generic):
+      if x.dtype.hasobject:  # (pointers)
+        raise _NoKey()
       if x.nbytes > _MAX_VALUE_BYTES or self.read + x.nbytes > _MAX_VALUE_BYTES_IN_ALL:
         raise _NoKey()  # (a numpy array may change in place)
       self.out.append(("numpy", self.value(x)))
@@ -129,20 +140,41 @@ class _Walk:
       self.out.append(("method",))
       self(x.__func__)
       self(x.__self__)
-    elif kind is types.FunctionType and _trusted(x):
+    elif kind is types.FunctionType and _trusted(x.__globals__.get("__name__")):
+      # (the module of its globals: ``functools.wraps`` may set another ``__module__``)
       self.out.append(("function", self.ident(x.__code__)))
       cells = [_cell(c) for c in x.__closure__ or ()]
       for item in (x.__defaults__, x.__kwdefaults__, cells, x.__dict__):
         self(item)
-    elif isinstance(x, (_JITTED, jax.custom_jvp, jax.custom_vjp)) and _trusted(x):
-      self.out.append(("jax function", self.ident(x)))
-    elif kind is types.BuiltinFunctionType and not isinstance(
-      x.__self__, (types.ModuleType, type(None))
-    ):  # a builtin method of an object: the object's
-      self.out.append(("builtin method", x.__name__, self.ident(type(x.__self__))))
-      self(x.__self__)
-    elif isinstance(x, _BY_IDENTITY):
+    elif kind is _JITTED:
+      self.out.append(("jitted",))
+      self(x.__wrapped__)
+    elif isinstance(x, jax.custom_jvp):
+      self.out.append(("custom_jvp", x.nondiff_argnums))
+      self(x.fun)
+      self(x.jvp)
+    elif isinstance(x, jax.custom_vjp):
+      self.out.append(("custom_vjp", x.nondiff_argnums))
+      for item in (x.fun, x.fwd, x.bwd):
+        self(item)
+    elif kind is types.BuiltinFunctionType:
+      owner = x.__self__
+      if isinstance(owner, types.ModuleType) or owner is None:  # a module's function
+        if str(x.__module__ or getattr(owner, "__name__", "")).partition(".")[0] not in (
+          _BUILTIN_MODULES
+        ):
+          raise _NoKey()
+        self.out.append(("builtin", self.ident(x)))
+      else:  # a method of an object: the object's
+        self.out.append(("builtin method", x.__name__, self.ident(type(owner))))
+        self(owner)
+    elif isinstance(x, (np.ufunc, types.ModuleType, logging.Logger)) or (
+      isinstance(x, type) and _trusted(x.__module__)
+    ):
       self.out.append(("object", self.ident(x)))
+    elif _library_class(kind) and hasattr(x, "__dict__"):  # e.g. optax's WrappedSchedule
+      self.out.append(("instance", self.ident(kind)))
+      self(vars(x))
     elif x is _EMPTY:
       self.out.append(("empty cell",))
     else:
