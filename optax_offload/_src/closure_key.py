@@ -13,10 +13,11 @@ enters as its function and arguments; a bound method as its function and object;
 custom-derivative function as the functions it wraps; an instance of those packages' classes
 (optax's ``WrappedSchedule``) as its class and attributes; tuples, lists, dicts and named tuples
 as their items; scalars, strings, dtypes and arrays (numpy or jax, up to 1 MiB) as their values.
-Those packages' classes, modules, builtins (theirs and Python's), numpy ufuncs, loggers and jax
-arrays over 1 MiB (not read) enter by identity, kept alive with the key so that their ids are not
-reused while it is kept. Anything else (an instance of another class, a set, a larger numpy
-array, a tracer) gives no key.
+Those packages' classes and modules, builtins of theirs and pure ones of Python's (``abs``, ``math``,
+``operator``), numpy ufuncs, loggers and jax arrays over 1 MiB (not read) enter by identity, kept
+alive with the key so that their ids are not reused while it is kept. Anything else (an instance of
+another class, a named tuple or enum of another module, a set, a larger numpy array, a tracer)
+gives no key.
 
   >>> import optax
   >>> a, _ = closure_key(optax.adamw(1e-2))
@@ -28,6 +29,7 @@ array, a tracer) gives no key.
 
 from __future__ import annotations
 
+import abc
 import enum
 import functools
 import hashlib
@@ -47,18 +49,40 @@ _MAX_VALUE_BYTES_IN_ALL = 16 * 2**20
 
 _TRUSTED = frozenset({"optax", "optax_offload", "jax", "jaxlib", "numpy"})
 """Packages whose code enters a key (their module globals taken not to change)."""
-_BUILTIN_MODULES = _TRUSTED | {"builtins", "math", "operator", "_operator"}
+_PURE_MODULES = frozenset({"math", "operator", "_operator"})
+"""Modules of builtin functions that read nothing but their arguments."""
+_PURE_BUILTINS = frozenset(
+  {"abs", "all", "any", "divmod", "len", "max", "min", "pow", "round", "sum"}
+)
+"""Python's builtins that read nothing but their arguments (not ``getattr``, ``eval``, ...)."""
 _JITTED = type(jax.jit(lambda x: x))
+"""The type of a ``jax.jit`` function."""
+_HEAPTYPE = 1 << 9  # (Py_TPFLAGS_HEAPTYPE: a class made by a class statement)
+
+
+def _package(module: Any) -> str:
+  return str(module).partition(".")[0]
 
 
 def _trusted(module: Any) -> bool:
   """Whether a module name is of `_TRUSTED`'s packages."""
-  return str(module).partition(".")[0] in _TRUSTED
+  return _package(module) in _TRUSTED
 
 
 def _library_class(kind: type) -> bool:
-  """A class whose methods are all the library's (its instances run no other code)."""
-  return all(c is object or _trusted(c.__module__) for c in kind.__mro__)
+  """A class of the library's whose instances are plain Python objects: every class of its MRO
+  made by a class statement of `_TRUSTED`'s packages, without slots (all its state in its
+  ``__dict__``; not an extension type, as jaxlib's shardings or numpy's arrays are)."""
+  return all(
+    c is object
+    or (
+      _trusted(c.__module__)
+      and type(c) in (type, abc.ABCMeta)
+      and c.__flags__ & _HEAPTYPE
+      and "__slots__" not in vars(c)
+    )
+    for c in kind.__mro__
+  )
 
 
 class _NoKey(Exception):
@@ -77,7 +101,7 @@ def closure_key(obj: Any) -> tuple[str | None, list[Any]]:
 
 
 class _Walk:
-  """A preorder walk: each kind of node has a fixed number of children."""
+  """A preorder walk: each node's record says how many children follow (a container's length)."""
 
   def __init__(self):
     self.out: list[Any] = []
@@ -121,14 +145,15 @@ class _Walk:
         self.out.append(("jax", self.ident(x)))  # (not read: it cannot change)
       else:
         self.out.append(("jax", x.weak_type, self.value(x)))
-    elif isinstance(x, enum.Enum):
+    elif isinstance(x, enum.Enum) and _trusted(kind.__module__):
       self.out.append(("enum", self.ident(kind)))
       self(x.value)
     elif kind in (tuple, list, dict):
       self.out.append((kind.__name__, len(x)))
       for item in x.items() if kind is dict else x:
         self(item)
-    elif isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
+    elif isinstance(x, tuple) and hasattr(x, "_fields") and _trusted(kind.__module__):
+      # (a named tuple of the library's: another's methods are other code)
       self.out.append(("named tuple", self.ident(kind), len(x)))
       for item in x:
         self(item)
@@ -160,16 +185,21 @@ class _Walk:
     elif kind is types.BuiltinFunctionType:
       owner = x.__self__
       if isinstance(owner, types.ModuleType) or owner is None:  # a module's function
-        if str(x.__module__ or getattr(owner, "__name__", "")).partition(".")[0] not in (
-          _BUILTIN_MODULES
+        package = _package(x.__module__ or getattr(owner, "__name__", ""))
+        if not (
+          package in _TRUSTED
+          or package in _PURE_MODULES
+          or (package == "builtins" and x.__name__ in _PURE_BUILTINS)
         ):
           raise _NoKey()
         self.out.append(("builtin", self.ident(x)))
       else:  # a method of an object: the object's
         self.out.append(("builtin method", x.__name__, self.ident(type(owner))))
         self(owner)
-    elif isinstance(x, (np.ufunc, types.ModuleType, logging.Logger)) or (
-      isinstance(x, type) and _trusted(x.__module__)
+    elif (
+      isinstance(x, (np.ufunc, logging.Logger))
+      or (isinstance(x, type) and _trusted(x.__module__))
+      or (isinstance(x, types.ModuleType) and _trusted(x.__name__))
     ):
       self.out.append(("object", self.ident(x)))
     elif _library_class(kind) and hasattr(x, "__dict__"):  # e.g. optax's WrappedSchedule
