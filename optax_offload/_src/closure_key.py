@@ -135,13 +135,13 @@ class _Walk:
     elif kind is np.ndarray or isinstance(x, np.generic):
       if x.dtype.hasobject:  # (pointers)
         raise _NoKey()
-      if x.nbytes > _MAX_VALUE_BYTES or self.read + x.nbytes > _MAX_VALUE_BYTES_IN_ALL:
+      if self.too_big(x):
         raise _NoKey()  # (a numpy array may change in place)
       self.out.append(("numpy", self.value(x)))
     elif isinstance(x, jax.Array):
       if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # (a typed PRNG key)
         raise _NoKey()
-      if x.nbytes > _MAX_VALUE_BYTES or self.read + x.nbytes > _MAX_VALUE_BYTES_IN_ALL:
+      if self.too_big(x):
         self.out.append(("jax", self.ident(x)))  # (not read: it cannot change)
       else:
         self.out.append(("jax", x.weak_type, self.value(x)))
@@ -209,6 +209,11 @@ class _Walk:
       self.out.append(("empty cell",))
     else:
       raise _NoKey()
+
+  def too_big(self, x: Any) -> bool:
+    """Whether an array is over `_MAX_VALUE_BYTES`, or would take the bytes read past
+    `_MAX_VALUE_BYTES_IN_ALL`."""
+    return x.nbytes > _MAX_VALUE_BYTES or self.read + x.nbytes > _MAX_VALUE_BYTES_IN_ALL
 
   def value(self, x: Any) -> tuple[str, tuple[int, ...], str]:
     """An array's dtype, shape and the sha256 of its bytes."""
