@@ -420,8 +420,9 @@ def _momentum(scale_of):
 
 
 def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypatch):
-  # The separability check and the split probe compile a program each; a transformation of
-  # optax's code built with equal values (`closure_key`) takes the verdicts found for one before.
+  # The separability check and the split probe compile a program each, and where a leaf would
+  # be split the check of rules picked by path one more; a transformation of optax's code built
+  # with equal values (`closure_key`) takes the verdicts found for one before.
   from optax_offload._src import separable
 
   compiles = []
@@ -434,19 +435,19 @@ def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypa
     oo.offload(tx).init(params)
     return len(compiles) - before
 
-  assert probes(optax.lamb(1e-3)) == 2
+  assert probes(optax.lamb(1e-3)) == 2  # (lamb's leaves are not split)
   assert probes(optax.lamb(1e-3)) == 0  # built again alike
   assert probes(optax.lamb(1e-4)) == 2  # another learning rate
-  for value, compiled in ((0.25, 2), (0.25, 0), (0.125, 2)):  # an array's value counts
+  for value, compiled in ((0.25, 3), (0.25, 0), (0.125, 3)):  # an array's value counts
     assert probes(optax.sgd(jnp.asarray(value), momentum=0.9)) == compiled
   for _ in range(2):  # a refusal is not kept
     with pytest.raises(ValueError, match="not separable"):
       probes(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
   # Code of other modules is probed at every build: what it reads may change (a global here).
-  assert probes(_momentum(_global_scale)) == 2
-  assert probes(_momentum(_global_scale)) == 2
+  assert probes(_momentum(_global_scale)) == 3
+  assert probes(_momentum(_global_scale)) == 3
   same = optax.GradientTransformationExtraArgs(*_momentum(_global_scale))  # (offload keeps it)
-  assert probes(same) == 2 and probes(same) == 1  # by identity: the split probe's verdict kept
+  assert probes(same) == 3 and probes(same) == 1  # by identity: the split verdicts kept
   monkeypatch.setattr(sys.modules[__name__], "_GLOBAL_NORM", True)
   with pytest.raises(ValueError, match="not separable"):
     probes(_momentum(_global_scale))
@@ -720,12 +721,38 @@ def test_a_rule_picked_by_path_is_probed_with_that_rule():
   assert_close(got, want)
 
 
+def test_a_rule_without_state_picked_by_path_is_not_split(caplog):
+  # lars applies its trust ratio (no state of its own) only where trust_ratio_mask says, here by
+  # path ('w'). The split probes run on a tree of their own, whose paths the mask does not pick:
+  # they probed the leaf without the trust ratio, and 'w' was split in row slices (its update up
+  # to 132x plain optax's). The probes' rules are now checked at the params' own paths (value_and_update's
+  # layer-by-layer check too: tests/test_value_and_update.py).
+  def mask(params):
+    return jax.tree_util.tree_map_with_path(lambda p, _: "w" in jax.tree_util.keystr(p), params)
+
+  def make():
+    return optax.lars(1e-2, trust_ratio_mask=mask)
+
+  rng = np.random.default_rng(0)
+  params = {k: jnp.asarray(rng.normal(size=(8, 64)) + 0.5, jnp.float32) for k in ("w", "b")}
+  params["w"] = params["w"].at[0].multiply(8.0)
+  grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+  grads["w"] = grads["w"].at[0].multiply(1e3)
+  tx = oo.offload(make(), window_bytes=2 * 64 * 4 * 2, min_size=16)
+  with caplog.at_level("INFO"):
+    state = tx.init(params)
+  assert "['b'][" in caplog.text and "['w'][" not in caplog.text, caplog.text  # b in row slices
+  want, _ = make().update(grads, make().init(params), params)
+  got, _ = jax.jit(tx.update)(grads, state, params)
+  assert_close(got, want)
+
+
 def test_bfloat16_params_are_split_only_where_the_update_allows():
   # The split probe allows 2 eps of the params only to updates computed wider than them (master
   # weights): lamb's trust ratio over the leaf moves a bfloat16 update by less than that, so its
-  # rows passed before as split; adamw's update is elementwise. (Columns are applied in place: the
-  # probe compares steps less a rounding to the params' dtype, which hides lamb's on bfloat16
-  # params: not split with master weights, where the update is float32.)
+  # rows passed before as split; adamw's update is elementwise. Columns are applied in place: the
+  # probe compares steps less a rounding to the params' dtype, which hid lamb's columns on
+  # bfloat16 params until the probe's params took very different scales in the two parts.
   from optax_offload._src import separable
   from optax_offload._src import tree_plan
 
@@ -740,7 +767,7 @@ def test_bfloat16_params_are_split_only_where_the_update_allows():
     cols = separable.splittable(inner, avals, tree.parts, tree.dims, 1024, axis=1)
     return [(leaf.rows, c) for leaf, c in zip(tree.leaves, cols)]
 
-  assert [rows for rows, _ in splits(optax.lamb(1e-3))] == [0, 0]
+  assert splits(optax.lamb(1e-3)) == [(0, 0)] * 2
   assert splits(optax.lamb(1e-3), jnp.float32) == [(0, 0)] * 2
   assert splits(optax.adamw(1e-3)) == [(512, 256)] * 2
   assert splits(optax.adamw(1e-3), jnp.float32) == [(512, 256)] * 2

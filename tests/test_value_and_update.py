@@ -207,6 +207,13 @@ def test_bad_input_is_refused_with_the_fix(tmp_path):
   tx = oo.offload(optax.lamb(1e-3), min_size=256)
   with pytest.raises(ValueError, match="layer by layer"):
     jax.jit(oo.value_and_update(loss, tx))(params, tx.init(params), t)
+  # A trust ratio masked to the stack by path: the split probes' own tree has other paths.
+  by_path = functools.partial(
+    jax.tree_util.tree_map_with_path, lambda p, _: "layers" in jax.tree_util.keystr(p)
+  )
+  tx = oo.offload(optax.lars(1e-3, trust_ratio_mask=by_path), min_size=256)
+  with pytest.raises(ValueError, match="layer by layer"):
+    jax.jit(oo.value_and_update(loss, tx))(params, tx.init(params), t)
 
   tx = oo.offload(optax.adam(1e-3), min_size=256)
   with pytest.raises(ValueError, match="twice"):

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 _GROUP_SCALES = (1e3, 1e1, 1e2)
 """Gradient scale of the first group at each probe step; the second group's is fixed at 1e-2."""
+_PARAM_SCALE = 8.0
+"""The split probes' params in the first part are this many times the second part's."""
 
 
 def _miniature(shape: Sequence[int]) -> tuple[int, ...]:
@@ -94,14 +96,17 @@ def splittable(
   dims: Sequence[Sequence[int]],
   min_size: int,
   axis: int,
+  treedef=None,
 ) -> list[int]:
   """Per leaf: the length of `axis` when its update may be split along it, else 0.
 
   Axis 0: updating rows ``[0:1]`` and ``[1:n]`` as separate pieces equals updating the whole leaf
   (row slices and row chunks). Axis 1: updating it in two column chunks, each applied to the params
   in place, equals the whole update applied. A probe checks this on a small leaf with the same
-  trailing axes (cut to 256) and very different gradient scales in the two parts, over a few
-  steps; the large state arrays must share the split axes with the param. Elementwise optimizers
+  trailing axes (cut to 256) and very different param and gradient scales in the two parts, over
+  a few steps; the large state arrays must share the split axes with the param. With the params'
+  `treedef` (``avals`` then being all its leaves), a leaf that `inner` updates at its own path
+  otherwise than on a tree of its own is not split (`_rules_as_probed`). Elementwise optimizers
   qualify; lamb and lars (trust ratio over the leaf) do not, nor adafactor's factored moments
   along the factored axes (stacked 3-D leaves split along axis 0 qualify).
 
@@ -140,7 +145,67 @@ def splittable(
     results, failed = _probe(inner, sorted((asked | both) - known.keys(), key=repr))
     known.update({k: v for k, v in results.items() if k not in failed})
     known = {**known, **results}
-  return [0 if k is None or not known[k] else int(a.shape[axis]) for k, a in zip(keys, avals)]
+  split = [k is not None and known[k] for k in keys]
+  if treedef is not None and any(split):
+    split = [s and same for s, same in zip(split, _rules_as_probed(inner, treedef, avals))]
+  return [int(a.shape[axis]) if s else 0 for s, a in zip(split, avals)]
+
+
+def _rules_as_probed(inner, treedef, avals: Sequence[jax.ShapeDtypeStruct]) -> list[bool]:
+  """Per leaf of `treedef`: whether `inner` updates it at its own path as on a tree of its own.
+
+  The split probes run on a tree of their own, whose paths are not the params': a rule that
+  ``optax.masked`` or ``optax.multi_transform`` picks by path and that keeps no state of its own
+  (a trust ratio masked to some leaves, as ``optax.lars``'s ``trust_ratio_mask`` may be) would be
+  probed without it. A step from the same values (a miniature of each leaf: at most 3 elements
+  per axis), on the params' tree and on a tuple of its leaves, must give each leaf the same
+  update (a rule with a state of its own is seen by the probes: the state's structure is part
+  of their key). A rule picked by size is not seen (it sees the same sizes on both).
+  """
+  learned = _learned(inner)[0]
+  minis = tuple((jnp.dtype(a.dtype), _miniature(a.shape)) for a in avals)
+  asked = ("rules", treedef, minis)
+  if asked in learned:
+    return learned[asked]
+  rng = np.random.default_rng(0)
+  params, grads = [], []
+  for dtype, shape in minis:
+    p, g = rng.normal(size=shape) + 0.5, rng.normal(size=shape)
+    if shape:  # (parts of very different scales, as in the split probes)
+      p[:1] *= _PARAM_SCALE
+      g[:1] *= 1e3
+    params.append(p.astype(dtype))
+    grads.append(g.astype(dtype))
+
+  def step(params, grads):
+    return jax.tree.leaves(inner.update(grads, inner.init(params), params)[0])
+
+  def both(params, grads):
+    return step(treedef.unflatten(params), treedef.unflatten(grads)), step(
+      *map(tuple, (params, grads))
+    )
+
+  with jax.ensure_compile_time_eval():
+    try:
+      out = jax.device_get(_compiled(jax.jit(both).trace(params, grads))(params, grads))
+    except Exception as e:  # a best effort: what cannot be checked is not split
+      logger.warning(
+        "offload: could not check that the split probes see each leaf's own rules (%s: %s); "
+        "no leaf is split in slices (slower streaming, same results).",
+        type(e).__name__,
+        e,
+      )
+      return [False] * len(avals)
+  result = []
+  for dtype, at_path, alone in zip(minis, *out):
+    try:
+      if jnp.issubdtype(dtype[0], jnp.floating):
+        _compare("x", dtype[0], at_path, alone)
+      result.append(True)
+    except _NotSeparable:
+      result.append(False)
+  learned[asked] = result
+  return result
 
 
 _PROBE_COMPILER_OPTIONS = {
@@ -230,7 +295,15 @@ class _Probe:
     shapes = [(next(m for m in range(5, 64) if m not in k[1]), *k[1]) for k in keys]
     # Each key's values from its own seed: its verdict does not depend on the keys beside it.
     rngs = [np.random.default_rng(zlib.crc32(repr(k[:4]).encode())) for k in keys]
-    params = tuple((rng.normal(size=s) + 0.5).astype(k[0]) for rng, s, k in zip(rngs, shapes, keys))
+    params = []
+    for rng, s, k in zip(rngs, shapes, keys):
+      p = rng.normal(size=s) + 0.5
+      # Params of very different scales in the two parts too (a power of two: exact in any
+      # dtype): a rule over the whole leaf's params (lamb's and lars's trust ratio, a param-RMS
+      # scale) then moves the split update by far more than a rounding.
+      p[(slice(None),) * axis + (slice(0, s[1] // 2 if axis else 1),)] *= _PARAM_SCALE
+      params.append(p.astype(k[0]))
+    params = tuple(params)
     layout = StateLayout(inner, jax.tree.structure(params))
     per_leaf = layout.split(jax.eval_shape(inner.init, params))[1]
     depths = [shared_dims(part, s) for part, s in zip(per_leaf, shapes)]
@@ -294,7 +367,7 @@ class _Probe:
       # own dtype get no such room (lamb's trust ratio on bfloat16 params moves an update by less
       # than a bfloat16 ulp of the params, far more than its own).
       wider = jnp.finfo(self.update_dtypes[n]).bits > jnp.finfo(dtype).bits
-      rounding = 2 * float(jnp.finfo(dtype).eps) * float(np.max(np.abs(params)))
+      rounding = 2 * float(jnp.finfo(dtype).eps) * np.abs(params)  # (each element's)
       ulp = rounding if wider else 0.0
       try:
         if not self.ok[n]:

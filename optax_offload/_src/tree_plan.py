@@ -218,7 +218,7 @@ def derive_leaves(
     twin_layout = layout if twin is inner else layout_lib.StateLayout(twin, treedef)
     separable.check_separable(twin, twin_layout, paths, avals)
   dims = tuple(separable.shared_dims(part, a.shape) for part, a in zip(parts, avals))
-  rows = separable.splittable(inner, avals, parts, dims, min_size, axis=0)
+  rows = separable.splittable(inner, avals, parts, dims, min_size, axis=0, treedef=treedef)
   # A row slice of a leaf whose leading axis is sharded would cut across shards.
   rows = [n if unsharded_axes(s) >= 1 else 0 for n, s in zip(rows, shardings)]
   leaves = []

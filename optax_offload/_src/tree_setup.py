@@ -166,7 +166,7 @@ def make_setup(
   )
   the_plan, leaves, array_tiers = tp.plan, tp.leaves, tp.array_tiers
   # Column chunks need the update to split along axis 1 too (and that axis unsharded).
-  cols = separable.splittable(inner, avals, tp.parts, tp.dims, min_size, axis=1)
+  cols = separable.splittable(inner, avals, tp.parts, tp.dims, min_size, axis=1, treedef=treedef)
   cols = [n if tree_plan.unsharded_axes(s) >= 2 else 0 for n, s in zip(cols, shardings)]
   spec = stream_spec.StreamSpec(
     the_plan.units,

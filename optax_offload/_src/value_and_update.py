@@ -454,20 +454,13 @@ class _Step:
     """Whether leaf i's update may run in row slices, probed whatever the size of its state
     (the plan probes only leaves with state of at least `min_size` elements)."""
     off = self.s.offloaded
-    aval = jax.ShapeDtypeStruct(jnp.shape(self.leaves[i]), self.setup.dtypes[i])
-    _, per_leaf = self.layout.split(
-      jax.eval_shape(
-        off.inner.init,
-        self.treedef.unflatten(
-          [
-            aval if j == i else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-            for j, x in enumerate(self.leaves)
-          ]
-        ),
-      )
-    )
-    dims = separable.shared_dims(per_leaf[i], aval.shape)
-    return separable.splittable(off.inner, [aval], [per_leaf[i]], [dims], 1, axis=0)[0] > 0
+    avals = [
+      jax.ShapeDtypeStruct(jnp.shape(x), dtype) for x, dtype in zip(self.leaves, self.setup.dtypes)
+    ]
+    _, per_leaf = self.layout.split(jax.eval_shape(off.inner.init, self.treedef.unflatten(avals)))
+    dims = [separable.shared_dims(part, a.shape) for part, a in zip(per_leaf, avals)]
+    rows = separable.splittable(off.inner, avals, per_leaf, dims, 1, axis=0, treedef=self.treedef)
+    return rows[i] > 0
 
   def begin(self, off_state):
     """The NVMe token of this step's generation (None without an NVMe tier); the disk starts
