@@ -420,9 +420,10 @@ def _momentum(scale_of):
 
 
 def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypatch):
-  # The separability check and the split probe compile a program each, and where a leaf would
-  # be split the check of rules picked by path one more; a transformation of optax's code built
-  # with equal values (`closure_key`) takes the verdicts found for one before.
+  # The separability check and the split probe compile a program each, and for code of other
+  # modules (which may pick rules by path) the leaves' rules one more where a leaf would be split;
+  # a transformation of optax's code built with equal values (`closure_key`) takes the verdicts
+  # found for one before.
   from optax_offload._src import separable
 
   compiles = []
@@ -435,10 +436,10 @@ def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypa
     oo.offload(tx).init(params)
     return len(compiles) - before
 
-  assert probes(optax.lamb(1e-3)) == 2  # (lamb's leaves are not split)
+  assert probes(optax.lamb(1e-3)) == 2
   assert probes(optax.lamb(1e-3)) == 0  # built again alike
   assert probes(optax.lamb(1e-4)) == 2  # another learning rate
-  for value, compiled in ((0.25, 3), (0.25, 0), (0.125, 3)):  # an array's value counts
+  for value, compiled in ((0.25, 2), (0.25, 0), (0.125, 2)):  # an array's value counts
     assert probes(optax.sgd(jnp.asarray(value), momentum=0.9)) == compiled
   for _ in range(2):  # a refusal is not kept
     with pytest.raises(ValueError, match="not separable"):
@@ -456,9 +457,9 @@ def test_a_transformation_built_again_alike_is_not_probed_again(params, monkeypa
   # The probes themselves: a step that acts as a constant one's on the whole tree, not in row
   # slices, is not split.
   keys = [(np.dtype("float32"), (256,), (2,), 0, jax.tree.structure((0.0,)))]
-  assert separable._probe_program(_momentum(lambda m, u: 0.5), keys) == {keys[0]: True}
+  assert separable._probe_program(_momentum(lambda m, u: 0.5), keys)[keys[0]][0]
   sliced = _momentum(lambda m, u: 2.0 if m.shape[0] == 1 else 0.5)  # row [0:1] steps farther
-  assert separable._probe_program(sliced, keys) == {keys[0]: False}
+  assert not separable._probe_program(sliced, keys)[keys[0]][0]
 
 
 _GLOBAL_NORM = False
@@ -721,30 +722,93 @@ def test_a_rule_picked_by_path_is_probed_with_that_rule():
   assert_close(got, want)
 
 
-def test_a_rule_without_state_picked_by_path_is_not_split(caplog):
-  # lars applies its trust ratio (no state of its own) only where trust_ratio_mask says, here by
-  # path ('w'). The split probes run on a tree of their own, whose paths the mask does not pick:
-  # they probed the leaf without the trust ratio, and 'w' was split in row slices (its update up
-  # to 132x plain optax's). The probes' rules are now checked at the params' own paths (value_and_update's
-  # layer-by-layer check too: tests/test_value_and_update.py).
-  def mask(params):
-    return jax.tree_util.tree_map_with_path(lambda p, _: "w" in jax.tree_util.keystr(p), params)
+def _by_path_w(params):
+  return jax.tree_util.tree_map_with_path(lambda p, _: "w" in jax.tree_util.keystr(p), params)
 
-  def make():
-    return optax.lars(1e-2, trust_ratio_mask=mask)
 
+_WARM_UP = optax.linear_schedule(0.0, 1e-2, 10)
+_PATH_RULES = {
+  # (make, params as a list, the leaves split in rows): a rule without a state of its own, picked
+  # by path, changes nothing on the probes' own tree (whose paths the mask does not pick): lars'
+  # trust ratio on 'w' was probed without it, and 'w' split in row slices (its update up to 132x
+  # plain optax's). Rules that are zero at the first step (a warm-up from 0, MultiSteps) and list
+  # params (paths like the probes') hid it from a first check; weight decay picked by path is
+  # elementwise, so both leaves still split.
+  "lars": (lambda: optax.lars(1e-2, trust_ratio_mask=_by_path_w), False, ["b"]),
+  "lars_warm_up": (lambda: optax.lars(_WARM_UP, trust_ratio_mask=_by_path_w), False, ["b"]),
+  "masked_trust_ratio": (
+    lambda: optax.chain(
+      optax.scale_by_adam(),
+      optax.masked(optax.scale_by_trust_ratio(), _by_path_w),
+      optax.scale_by_learning_rate(_WARM_UP),
+    ),
+    False,
+    ["b"],
+  ),
+  "multi_steps": (
+    lambda: optax.MultiSteps(
+      optax.lars(1e-2, trust_ratio_mask=_by_path_w), 2
+    ).gradient_transformation(),
+    False,
+    ["b"],
+  ),
+  "list_params": (
+    lambda: optax.lars(
+      1e-2,
+      trust_ratio_mask=functools.partial(
+        jax.tree_util.tree_map_with_path, lambda p, _: p[-1].idx == 0
+      ),
+    ),
+    True,
+    [],  # (not [1]: where no probe on the probes' own tree splits, no leaf is probed further)
+  ),
+  "weight_decay": (lambda: optax.adamw(1e-2, weight_decay=0.1, mask=_by_path_w), False, ["b", "w"]),
+}
+
+
+@pytest.mark.parametrize("rule", list(_PATH_RULES))
+def test_a_rule_picked_by_path_is_probed_at_the_leafs_path(rule, caplog):
+  make, as_list, split = _PATH_RULES[rule]
   rng = np.random.default_rng(0)
   params = {k: jnp.asarray(rng.normal(size=(8, 64)) + 0.5, jnp.float32) for k in ("w", "b")}
   params["w"] = params["w"].at[0].multiply(8.0)
-  grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
-  grads["w"] = grads["w"].at[0].multiply(1e3)
+  if as_list:
+    params = [params["w"], params["b"]]
   tx = oo.offload(make(), window_bytes=2 * 64 * 4 * 2, min_size=16)
   with caplog.at_level("INFO"):
     state = tx.init(params)
-  assert "['b'][" in caplog.text and "['w'][" not in caplog.text, caplog.text  # b in row slices
-  want, _ = make().update(grads, make().init(params), params)
-  got, _ = jax.jit(tx.update)(grads, state, params)
-  assert_close(got, want)
+  names = ["w", "b"] if not as_list else ["0", "1"]
+  got = sorted(n for n in names if f"[{n!r}][" in caplog.text or f"[{n}][" in caplog.text)
+  assert got == sorted(split), caplog.text
+  ref, ref_state = params, make().init(params)
+  mine = params
+  step = jax.jit(tx.update)
+  for _ in range(4):
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    want, ref_state = make().update(grads, ref_state, ref)
+    have, state = step(grads, state, mine)
+    ref, mine = optax.apply_updates(ref, want), optax.apply_updates(mine, have)
+  assert_close(ref, mine)
+
+
+@pytest.mark.parametrize("given", ["function", "pytree"])
+def test_a_mask_given_as_a_pytree_splits_as_a_function_does(given, caplog):
+  # The split probes run on a tuple tree of their own, which a mask (or labels) given as a pytree
+  # does not fit: their probes failed (a warning at every init) and the leaves stayed whole. They
+  # now run at the params' own paths, where the mask picks each leaf's rule.
+  rng = np.random.default_rng(0)
+  params = {"layers": jnp.asarray(rng.normal(size=(8, 64, 64)), jnp.float32), "b": jnp.zeros(64)}
+  by_rank = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+  mask = by_rank if given == "function" else by_rank(params)
+  window = int(2.25 * 2 * 64 * 64 * 4 * 2)  # two layers of state
+  tx = oo.offload(optax.adamw(1e-2, mask=mask), window_bytes=window, min_size=256)
+  with caplog.at_level("INFO"):
+    tx.init(params)
+  assert "['layers'][" in caplog.text, caplog.text  # in row slices
+  assert "WARNING" not in caplog.text, caplog.text
+  ref_params, _ = train(optax.adamw(1e-2, mask=mask), params, 3)
+  got_params, _ = train(tx, params, 3, apply=True)
+  assert_close(ref_params, got_params)
 
 
 def test_bfloat16_params_are_split_only_where_the_update_allows():

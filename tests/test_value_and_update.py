@@ -186,6 +186,30 @@ def test_several_groups_per_layer_give_the_same_bits():
   assert_bits_equal(got, want)
 
 
+@pytest.mark.parametrize("given", ["by_rank", "by_path", "pytree"])
+def test_a_mask_of_the_stack_is_picked_by_shape_or_refused(given):
+  # value_and_update updates a stack's leaves as a tuple of their own, where a mask picked by path
+  # (the usual "no weight decay on norms") or given as a pytree is not the params': by path, the
+  # stack's norms were decayed (silently, before); as a pytree, the step failed in the backward
+  # pass. Both are refused, saying what to do; a mask picked by shape runs as plain optax.
+  cfg, params = decoder(3, jnp.float32)
+  by_rank = lambda p: jax.tree.map(lambda x: x.ndim > 2, p)  # noqa: E731  (stacked weights)
+  by_path = functools.partial(  # noqa: E731
+    jax.tree_util.tree_map_with_path, lambda k, _: "norm" not in jax.tree_util.keystr(k)
+  )
+  mask = {"by_rank": by_rank, "by_path": by_path, "pytree": by_rank(params)}[given]
+  run = functools.partial(fused, cfg, jax.tree.map(jnp.copy, params), optax.adamw(1e-2, mask=mask),
+                          master=None, k=1, clip=None, steps=2, on_host=True)  # fmt: skip
+  if given == "by_rank":
+    want = reference(cfg, jax.tree.map(jnp.copy, params), optax.adamw(1e-2, mask=mask),
+                     master=None, k=1, clip=None, steps=2)  # fmt: skip
+    assert_close(run()[0], want)
+    return
+  match = "picked by its path" if given == "by_path" else "cannot update a layer stack's leaves"
+  with pytest.raises(ValueError, match=match + ".*give the rule by the leaves' shapes"):
+    run()
+
+
 def loss_twice(cfg, p, t):
   x = p["embed"][t[:, :-1]]
   body = lambda x, w: (llama._layer(cfg, x, w), None)  # noqa: E731
@@ -207,12 +231,12 @@ def test_bad_input_is_refused_with_the_fix(tmp_path):
   tx = oo.offload(optax.lamb(1e-3), min_size=256)
   with pytest.raises(ValueError, match="layer by layer"):
     jax.jit(oo.value_and_update(loss, tx))(params, tx.init(params), t)
-  # A trust ratio masked to the stack by path: the split probes' own tree has other paths.
+  # A trust ratio masked to the stack by path: not picked on the tuple the stack is updated as.
   by_path = functools.partial(
     jax.tree_util.tree_map_with_path, lambda p, _: "layers" in jax.tree_util.keystr(p)
   )
   tx = oo.offload(optax.lars(1e-3, trust_ratio_mask=by_path), min_size=256)
-  with pytest.raises(ValueError, match="layer by layer"):
+  with pytest.raises(ValueError, match="picked by its path"):
     jax.jit(oo.value_and_update(loss, tx))(params, tx.init(params), t)
 
   tx = oo.offload(optax.adam(1e-3), min_size=256)

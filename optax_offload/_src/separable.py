@@ -104,11 +104,16 @@ def splittable(
   (row slices and row chunks). Axis 1: updating it in two column chunks, each applied to the params
   in place, equals the whole update applied. A probe checks this on a small leaf with the same
   trailing axes (cut to 256) and very different param and gradient scales in the two parts, over
-  a few steps; the large state arrays must share the split axes with the param. With the params'
-  `treedef` (``avals`` then being all its leaves), a leaf that `inner` updates at its own path
-  otherwise than on a tree of its own is not split (`_rules_as_probed`). Elementwise optimizers
-  qualify; lamb and lars (trust ratio over the leaf) do not, nor adafactor's factored moments
-  along the factored axes (stacked 3-D leaves split along axis 0 qualify).
+  a few steps; the large state arrays must share the split axes with the param. Elementwise
+  optimizers qualify; lamb and lars (trust ratio over the leaf) do not, nor adafactor's factored
+  moments along the factored axes (stacked 3-D leaves split along axis 0 qualify).
+
+  The probes run on a tree of their own, a tuple, whose paths are not the params': with the
+  params' `treedef` (``avals`` then being all its leaves), each leaf's rule is compared with its
+  probe's (`_fingerprints`: a rule that ``optax.masked`` or ``optax.multi_transform`` picks by
+  path, e.g. weight decay or a trust ratio masked to some leaves), and a leaf whose rule differs,
+  or whose transformation cannot run on a tuple (a mask or labels given as a pytree), is probed
+  at its own path (`At`). Without `treedef` only the tuple's verdicts are taken.
 
   The probes of all the shapes asked for, along both axes, run in one compiled program, and their
   results are kept for the next call with `inner` or a transformation built alike (`_learned`):
@@ -133,79 +138,190 @@ def splittable(
     trailing = tuple(min(int(d), _PROBE_CAP) for d in shape[1:])
     keys.append((jnp.dtype(aval.dtype), trailing, tuple(depth), axis, jax.tree.structure(part)))
   asked = {k for k in keys if k is not None}
-  known = _learned(inner)[0] if asked else {}
-  if not asked <= known.keys():
-    # Both axes of each shape: `offload` asks for the columns next.
-    both = {
-      k[:3] + (a,) + k[4:]
-      for k in asked
-      for a in (0, 1)
-      if a <= len(k[1]) and min(k[2]) > a and (a == 0 or k[1][0] >= 2)
-    }
-    results, failed = _probe(inner, sorted((asked | both) - known.keys(), key=repr))
+  if not asked:
+    return [0] * len(keys)
+  known, alike = _learned(inner)
+  # On a tuple tree: each key's (verdict, fingerprint of the rule at its probe's path).
+  todo = [k for k in _both_axes(asked) if {k, ("no tuple", k)}.isdisjoint(known)]
+  if todo:
+    results, failed = _probe(inner, sorted(todo, key=repr), warn=treedef is None)
     known.update({k: v for k, v in results.items() if k not in failed})
-    known = {**known, **results}
-  split = [k is not None and known[k] for k in keys]
-  if treedef is not None and any(split):
-    split = [s and same for s, same in zip(split, _rules_as_probed(inner, treedef, avals))]
-  return [int(a.shape[axis]) if s else 0 for s, a in zip(split, avals)]
+    known.update({("no tuple", k): True for k in failed})
+  on_a_tuple = not any(("no tuple", k) in known for k in asked)
+  # Only a user's function or pytree picks a rule by path (optax's own code does not): with
+  # neither (a `closure_key`), the tuple's rules are the params' (but for params that are a tuple
+  # themselves, whose mask may be one too).
+  flat = treedef is not None and treedef == jax.tree.structure((0,) * treedef.num_leaves)
+  if treedef is None or (alike and on_a_tuple and not flat):
+    return [int(a.shape[axis]) if k in known and known[k][0] else 0 for k, a in zip(keys, avals)]
+  if on_a_tuple and not any(known[k][0] for k in asked):
+    return [0] * len(keys)  # (no probe splits: lamb's; a leaf of another rule stays whole)
+  prints = _fingerprints(inner, treedef, avals)
+  if prints is None:
+    return [0] * len(keys)
+
+  def verdict(k, n):
+    """A verdict probed under leaf n's rule (None if none was)."""
+    if k in known and _alike(prints[n], known[k][1], k[0]):
+      return known[k][0]
+    return next((v for f, v in known.get(("at", k), ()) if _alike(prints[n], f, k[0])), None)
+
+  # The rest at their own paths: one leaf of each rule not probed yet, both axes.
+  reps = []
+  for n, k in enumerate(keys):
+    if k is not None and verdict(k, n) is None:
+      if not any(k == j and _alike(prints[n], prints[m], k[0]) for j, m in reps):
+        reps.append((k, n))
+  if reps:
+    items = sorted({(j, n) for k, n in reps for j in _both_axes({k})}, key=repr)
+    results, failed = _probe(inner, items, at=At(treedef, tuple(avals)))
+    for (j, n), (v, _) in results.items():
+      if (j, n) not in failed:
+        known.setdefault(("at", j), []).append((prints[n], v))
+  return [
+    int(a.shape[axis]) if k is not None and verdict(k, n) else 0
+    for n, (k, a) in enumerate(zip(keys, avals))
+  ]
 
 
-def _rules_as_probed(inner, treedef, avals: Sequence[jax.ShapeDtypeStruct]) -> list[bool]:
-  """Per leaf of `treedef`: whether `inner` updates it at its own path as on a tree of its own.
+def _both_axes(keys: set[tuple]) -> set[tuple]:
+  """The keys and their shapes' other axis (`offload` asks for the rows, then the columns)."""
+  return keys | {
+    k[:3] + (a,) + k[4:]
+    for k in keys
+    for a in (0, 1)
+    if a <= len(k[1]) and min(k[2]) > a and (a == 0 or k[1][0] >= 2)
+  }
 
-  The split probes run on a tree of their own, whose paths are not the params': a rule that
-  ``optax.masked`` or ``optax.multi_transform`` picks by path and that keeps no state of its own
-  (a trust ratio masked to some leaves, as ``optax.lars``'s ``trust_ratio_mask`` may be) would be
-  probed without it. A step from the same values (a miniature of each leaf: at most 3 elements
-  per axis), on the params' tree and on a tuple of its leaves, must give each leaf the same
-  update (a rule with a state of its own is seen by the probes: the state's structure is part
-  of their key). A rule picked by size is not seen (it sees the same sizes on both).
+
+@dataclasses.dataclass(frozen=True)
+class At:
+  """The params' own tree, for split probes at the leaves' own paths: each probed leaf takes its
+  probe's values there, the other leaves are miniatures (`_miniatures`)."""
+
+  treedef: object
+  avals: tuple[jax.ShapeDtypeStruct, ...]
+
+
+def _miniatures(avals) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """Params and gradients of each leaf, at most 3 elements per axis."""
+  rng = np.random.default_rng(0)
+  shapes = [(_miniature(a.shape), a.dtype) for a in avals]
+  params = [(rng.normal(size=s) + 0.5).astype(d) for s, d in shapes]
+  return params, [(rng.normal(size=s) * 1e-2).astype(d) for s, d in shapes]
+
+
+def _canonical(dtype, trailing: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The values a rule is known by (`_fingerprints`): params and each step's gradients of a
+  leaf of `dtype` and these trailing axes (cut to 3), with parts of very different scales."""
+  trailing = tuple(min(int(d), 3) for d in trailing)
+  rng = np.random.default_rng(zlib.crc32(repr((jnp.dtype(dtype), trailing)).encode()))
+  params = rng.normal(size=(4, *trailing)) + 0.5
+  params[:1] *= _PARAM_SCALE
+  grads = []
+  for scale in _GROUP_SCALES:
+    g = rng.normal(size=params.shape) * 1e-2
+    g[:1] *= 1e2 * scale
+    grads.append(g.astype(dtype))
+  return params.astype(dtype), grads
+
+
+def _steps(inner, treedef, params, grads):
+  """Per leaf, `inner`'s updates at each step (a leading axis), the params held (traced)."""
+  tree = treedef.unflatten(params)
+
+  def step(state, g):
+    updates, state = inner.update(treedef.unflatten(g), state, tree)
+    return state, treedef.flatten_up_to(updates)
+
+  stacked = [jnp.stack(leaf) for leaf in zip(*grads)]
+  return jax.lax.scan(step, inner.init(tree), stacked)[1]
+
+
+def _fingerprints(inner, treedef, avals: Sequence[jax.ShapeDtypeStruct]) -> list | None:
+  """Per leaf of `treedef`, its rule: its updates at its own path over a few steps from its
+  `_canonical` values (None for leaves that are not floating arrays of a rank >= 1; None for all
+  when `inner` cannot run them: a warning, and nothing is split).
+
+  Leaves of one dtype and trailing shape get the same values, so that two of them, or one and a
+  split probe's leaf (`_Probe`), updated alike by a few steps, have one rule: what `offload` can
+  see of a rule picked by path. A rule picked by size is not seen (it sees these sizes).
   """
   learned = _learned(inner)[0]
-  minis = tuple((jnp.dtype(a.dtype), _miniature(a.shape)) for a in avals)
-  asked = ("rules", treedef, minis)
+  named = [_named(a) for a in avals]
+  asked = ("fingerprints", treedef, tuple(named))
   if asked in learned:
     return learned[asked]
-  rng = np.random.default_rng(0)
-  params, grads = [], []
-  for dtype, shape in minis:
-    p, g = rng.normal(size=shape) + 0.5, rng.normal(size=shape)
-    if shape:  # (parts of very different scales, as in the split probes)
-      p[:1] *= _PARAM_SCALE
-      g[:1] *= 1e3
-    params.append(p.astype(dtype))
-    grads.append(g.astype(dtype))
-
-  def step(params, grads):
-    return jax.tree.leaves(inner.update(grads, inner.init(params), params)[0])
-
-  def both(params, grads):
-    return step(treedef.unflatten(params), treedef.unflatten(grads)), step(
-      *map(tuple, (params, grads))
-    )
-
+  params, grads = _miniatures(avals)
+  grads = [list(grads) for _ in _GROUP_SCALES]
+  for n, name in enumerate(named):
+    if name is not None:
+      params[n], mine = _canonical(*name)
+      for step, g in zip(grads, mine):
+        step[n] = g
   with jax.ensure_compile_time_eval():
     try:
-      out = jax.device_get(_compiled(jax.jit(both).trace(params, grads))(params, grads))
+      program = jax.jit(lambda p, g: _steps(inner, treedef, p, g))
+      out = jax.device_get(_compiled(program.trace(params, grads))(params, grads))
     except Exception as e:  # a best effort: what cannot be checked is not split
       logger.warning(
-        "offload: could not check that the split probes see each leaf's own rules (%s: %s); "
-        "no leaf is split in slices (slower streaming, same results).",
+        "offload: could not compare each leaf's update rule with its split probe's (%s: %s); no "
+        "leaf is split in slices (slower streaming, same results).",
         type(e).__name__,
         e,
       )
-      return [False] * len(avals)
-  result = []
-  for dtype, at_path, alone in zip(minis, *out):
-    try:
-      if jnp.issubdtype(dtype[0], jnp.floating):
-        _compare("x", dtype[0], at_path, alone)
-      result.append(True)
-    except _NotSeparable:
-      result.append(False)
-  learned[asked] = result
-  return result
+      return None
+  learned[asked] = [None if name is None else x for name, x in zip(named, out)]
+  return learned[asked]
+
+
+def _named(aval) -> tuple | None:
+  """The name of a leaf's `_canonical` values (None: not a floating array of a rank >= 1)."""
+  if len(aval.shape) < 1 or not jnp.issubdtype(aval.dtype, jnp.floating):
+    return None
+  return jnp.dtype(aval.dtype), tuple(min(int(d), _PROBE_CAP) for d in aval.shape[1:])
+
+
+def rules_on_a_tuple(
+  inner, treedef, avals: Sequence[jax.ShapeDtypeStruct], leaves: Sequence[int]
+) -> list[bool] | None:
+  """Per leaf of `leaves`: whether `inner` updates it on a tuple of these leaves as at its own
+  path (`_fingerprints`); None when `inner` cannot run on such a tuple (a mask or labels given as
+  a pytree). `value_and_update` updates a layer stack's leaves as a tuple of their own.
+  """
+  named = [_named(avals[i]) for i in leaves]
+  learned, alike = _learned(inner)
+  asked = ("on a tuple", tuple(named))
+  if asked not in learned:
+    values = [
+      _canonical(*n) if n is not None else _miniatures([avals[i]]) for n, i in zip(named, leaves)
+    ]
+    params = [p if n is not None else p[0] for n, (p, _) in zip(named, values)]
+    grads = [
+      [g[t] if n is not None else g[0] for n, (_, g) in zip(named, values)]
+      for t in range(len(_GROUP_SCALES))
+    ]
+    with jax.ensure_compile_time_eval():
+      try:
+        program = jax.jit(lambda p, g: _steps(inner, jax.tree.structure((0,) * len(p)), p, g))
+        learned[asked] = jax.device_get(_compiled(program.trace(params, grads))(params, grads))
+      except Exception:  # (the caller says what to do)
+        return None
+  if alike:  # (optax's own code picks no rule by path: `splittable`)
+    return [True] * len(leaves)
+  prints = _fingerprints(inner, treedef, avals)
+  if prints is None:
+    return None
+  return [n is None or _alike(prints[i], x, n[0]) for n, i, x in zip(named, leaves, learned[asked])]
+
+
+def _alike(a, b, dtype) -> bool:
+  """Whether two fingerprints are of one rule (equal within `dtype`'s tolerance)."""
+  try:
+    _compare("x", dtype, a, b)
+    return True
+  except _NotSeparable:
+    return False
 
 
 _PROBE_COMPILER_OPTIONS = {
@@ -248,30 +364,33 @@ def _learned(inner) -> tuple[dict, bool]:
   return _LEARNED[key][1], alike
 
 
-def _probe(inner, keys: Sequence[tuple]) -> tuple[dict[tuple, bool], set[tuple]]:
+def _probe(inner, items: Sequence, at: At | None = None, warn: bool = True) -> tuple[dict, set]:
   """The split probes of ``(dtype, trailing axes, depth, axis, state structure)`` keys in one
   program, each key a leaf of one probe tree (the leaves' updates are independent:
-  `check_separable`); one program a key if that fails, so that a key the probe cannot run stays
-  whole alone.
+  `check_separable`); one program an item if that fails, so that a key the probe cannot run stays
+  whole alone. The items are keys (a tuple tree), or ``(key, leaf)`` with `at` (the key probed at
+  that leaf's path).
 
   Returns:
-    (each key's verdict, the keys whose probe failed: not split, and not kept for the next call).
+    (each item's verdict and, on a tuple tree, its fingerprint; the items whose probe failed: not
+    split, and not kept for the next call).
   """
   try:
-    return _probe_program(inner, keys), set()
-  except Exception as e:  # a best effort: find the keys that fail
-    if len(keys) == 1:  # do not split what the probe cannot check
-      logger.warning(
-        "offload: the split probe of %s failed (%s: %s); such leaves stay whole (slower "
-        "streaming, same results).",
-        keys[0],
-        type(e).__name__,
-        e,
-      )
-      return {keys[0]: False}, {keys[0]}
+    return _probe_program(inner, items, at), set()
+  except Exception as e:  # a best effort: find the items that fail
+    if len(items) == 1:  # do not split what the probe cannot check
+      if warn:
+        logger.warning(
+          "offload: the split probe of %s failed (%s: %s); such leaves stay whole (slower "
+          "streaming, same results).",
+          items[0],
+          type(e).__name__,
+          e,
+        )
+      return {items[0]: (False, None)}, {items[0]}
     results, failed = {}, set()
-    for key in keys:
-      verdict, bad = _probe(inner, [key])
+    for item in items:
+      verdict, bad = _probe(inner, [item], at, warn)
       results.update(verdict)
       failed |= bad
     return results, failed
@@ -279,50 +398,38 @@ def _probe(inner, keys: Sequence[tuple]) -> tuple[dict[tuple, bool], set[tuple]]
 
 @dataclasses.dataclass
 class _Probe:
-  """The probe tree of the keys of one axis: params, gradients of each step, the split spec."""
+  """The probe tree of the keys of one axis: params, gradients of each step, the split spec.
+
+  The tree is a tuple of one leaf a key, with the `_canonical` values of each key's shape at the
+  same paths (to learn the rule each path gets: `_fingerprints`), or the params' own tree (`At`),
+  each key's leaf at the path of the leaf it is probed for."""
 
   keys: list[tuple]
   axis: int
+  treedef: object
+  index: list[int]  # each key's leaf in the tree
   layout: StateLayout
-  params: tuple[np.ndarray, ...]
-  grads: list[tuple[np.ndarray, ...]]
+  params: list[np.ndarray]
+  grads: list[list[np.ndarray]]
+  canonical: tuple | None  # (params, grads) of the tuple's fingerprints
   spec: stream_spec.StreamSpec
   ok: list[bool]  # the state is the key's, sharing the split axes with the param as it says
   update_dtypes: list  # the dtype of each leaf's update (before it is applied)
 
   @classmethod
-  def make(cls, inner, keys: list[tuple], axis: int) -> _Probe:
+  def make(cls, inner, items: list, axis: int, at: At | None = None) -> _Probe:
+    keys = list(items) if at is None else [k for k, _ in items]
     shapes = [(next(m for m in range(5, 64) if m not in k[1]), *k[1]) for k in keys]
     # Each key's values from its own seed: its verdict does not depend on the keys beside it.
     rngs = [np.random.default_rng(zlib.crc32(repr(k[:4]).encode())) for k in keys]
-    params = []
+    mine = []
     for rng, s, k in zip(rngs, shapes, keys):
       p = rng.normal(size=s) + 0.5
       # Params of very different scales in the two parts too (a power of two: exact in any
       # dtype): a rule over the whole leaf's params (lamb's and lars's trust ratio, a param-RMS
       # scale) then moves the split update by far more than a rounding.
       p[(slice(None),) * axis + (slice(0, s[1] // 2 if axis else 1),)] *= _PARAM_SCALE
-      params.append(p.astype(k[0]))
-    params = tuple(params)
-    layout = StateLayout(inner, jax.tree.structure(params))
-    per_leaf = layout.split(jax.eval_shape(inner.init, params))[1]
-    depths = [shared_dims(part, s) for part, s in zip(per_leaf, shapes)]
-    # A key whose state does not share the split axes is not split (and is not separable); nor one
-    # whose probe leaf gets another rule's state than the leaf's (optax.multi_transform or masked
-    # picking rules of different states by path run another rule on the probe's leaf). A rule
-    # picked by path or size that keeps no state of its own (a masked trust ratio) is not seen:
-    # such a leaf may be split (docs/gpu.md says what to do).
-    ok = [
-      d == k[2] and jax.tree.structure(part) == k[4] for part, d, k in zip(per_leaf, depths, keys)
-    ]
-    if axis == 0:
-      units = [(Piece(n, 0, 1),) if good else (Piece(n),) for n, good in enumerate(ok)]
-      units += [(Piece(n, 1, s[0]),) for n, (s, good) in enumerate(zip(shapes, ok)) if good]
-      chunks = None
-    else:
-      units = [(Piece(n),) for n in range(len(keys))]
-      chunks = tuple(((1, 2) if good else (0, 1),) for good in ok)
-    spec = _device_spec(tuple(units), per_leaf, tuple(depths), chunks)
+      mine.append(p.astype(k[0]))
     grads = []
     for scale in _GROUP_SCALES:
       step = []
@@ -330,84 +437,129 @@ class _Probe:
         g = rng.normal(size=s) * 1e-2
         g[(slice(None),) * axis + (slice(0, s[1] // 2 if axis else 1),)] *= 1e2 * scale
         step.append(g.astype(k[0]))
-      grads.append(tuple(step))
-    updates = jax.eval_shape(lambda p, g: inner.update(g, inner.init(p), p)[0], params, grads[0])
-    update_dtypes = [u.dtype for u in jax.tree.leaves(updates)]
-    return cls(keys, axis, layout, params, grads, spec, ok, update_dtypes)
+      grads.append(step)
+    if at is None:
+      treedef, index, params = jax.tree.structure((0,) * len(keys)), list(range(len(keys))), mine
+      values = [_canonical(k[0], k[1]) for k in keys]
+      canonical = ([p for p, _ in values], [list(g) for g in zip(*(g for _, g in values))])
+    else:
+      treedef, index, canonical = at.treedef, [n for _, n in items], None
+      params, others = _miniatures(at.avals)
+      steps = [list(others) for _ in grads]
+      for n, i in enumerate(index):
+        params[i] = mine[n]
+        for step, g in zip(steps, grads):
+          step[i] = g[n]
+      grads = steps
+    layout = StateLayout(inner, treedef)
+    per_leaf = layout.split(jax.eval_shape(inner.init, treedef.unflatten(params)))[1]
+    depths = [shared_dims(part, p.shape) for part, p in zip(per_leaf, params)]
+    # A key whose state does not share the split axes is not split (and is not separable); nor one
+    # whose probe leaf gets another rule's state than the leaf's (optax.multi_transform or masked
+    # picking rules of different states by path run another rule on the probe's leaf).
+    ok = [
+      depths[i] == k[2] and jax.tree.structure(per_leaf[i]) == k[4] for k, i in zip(keys, index)
+    ]
+    good = dict(zip(index, ok))
+    if axis == 0:
+      units = [(Piece(i, 0, 1),) if good.get(i) else (Piece(i),) for i in range(len(params))]
+      units += [(Piece(i, 1, params[i].shape[0]),) for i in index if good[i]]
+      chunks = None
+    else:
+      units = [(Piece(i),) for i in range(len(params))]
+      chunks = tuple(((1, 2) if good.get(i) else (0, 1),) for i in range(len(params)))
+    spec = _device_spec(tuple(units), per_leaf, tuple(depths), chunks)
+    updates = jax.eval_shape(
+      lambda p, g: inner.update(g, inner.init(p), p)[0],
+      treedef.unflatten(params),
+      treedef.unflatten(grads[0]),
+    )
+    update_dtypes = [u.dtype for u in treedef.flatten_up_to(updates)]
+    return cls(
+      keys, axis, treedef, index, layout, params, grads, canonical, spec, ok, update_dtypes
+    )
 
-  def run(self, inner, params, grads):
+  def run(self, inner, params, grads, canonical):
     """The joint and the split update over the steps (traced, one step a scan iteration): for each
-    step, (joint updates, split updates, joint state, split state)."""
+    step, (joint updates, split updates, joint state, split state); and the fingerprints of the
+    tuple's paths (None at the params' own paths)."""
+    tree = self.treedef.unflatten(params)
 
     def step(states, g):
       state, split_state = states
-      joint, state = inner.update(g, state, params)
+      joint, state = inner.update(self.treedef.unflatten(g), state, tree)
       if self.axis == 1:
-        joint = optax.apply_updates(params, joint)
+        joint = optax.apply_updates(tree, joint)
       shared, per = self.layout.split(split_state)
       split, new_shared, new_per, _ = stream.run(
         inner, self.layout, self.spec, list(g), shared, per, list(params), {}, apply=self.axis == 1
       )
       split_state = self.layout.merge(new_shared, new_per)
-      return (state, split_state), (list(joint), split, state, split_state)
+      joint = self.treedef.flatten_up_to(joint)
+      return (state, split_state), (joint, split, state, split_state)
 
-    state = inner.init(params)
+    state = inner.init(tree)
     stacked = jax.tree.map(lambda *g: jnp.stack(g), *grads)
     _, out = jax.lax.scan(step, (state, state), stacked)
-    return [jax.tree.map(lambda x, t=t: x[t], out) for t in range(len(grads))]
+    steps = [jax.tree.map(lambda x, t=t: x[t], out) for t in range(len(grads))]
+    return steps, None if canonical is None else _steps(inner, self.treedef, *canonical)
 
-  def check(self, out) -> dict[tuple, bool]:
-    """Each key's verdict from `run`'s results."""
+  def check(self, out) -> dict:
+    """Each item's (verdict, fingerprint) from `run`'s results."""
+    out, prints = out
     result = {}
-    for n, key in enumerate(self.keys):
+    for n, (key, i) in enumerate(zip(self.keys, self.index)):
       dtype = key[0]
-      params = np.asarray(self.params[n], np.float64)
+      params = np.asarray(self.params[i], np.float64)
       # Updates computed wider than low-precision params (master weights) may round either way:
       # 2 eps of the params is noise, not a dependence on the other part. Updates of the params'
       # own dtype get no such room (lamb's trust ratio on bfloat16 params moves an update by less
       # than a bfloat16 ulp of the params, far more than its own).
-      wider = jnp.finfo(self.update_dtypes[n]).bits > jnp.finfo(dtype).bits
+      wider = jnp.finfo(self.update_dtypes[i]).bits > jnp.finfo(dtype).bits
       rounding = 2 * float(jnp.finfo(dtype).eps) * np.abs(params)  # (each element's)
       ulp = rounding if wider else 0.0
+      item = key if self.canonical is not None else (key, i)
       try:
         if not self.ok[n]:
           raise _NotSeparable("the state is not the key's, or does not share the split axes")
         for joint, split, state, split_state in out:
           if self.axis == 1:
             # New params, applied in place: their steps are compared, less a rounding of the sum
-            # to the params' dtype (so a bfloat16 update that differs by less than the params'
-            # ulp is not seen here: lamb's columns on bfloat16 params, docs/gpu.md).
-            steps = [np.asarray(x[n], np.float64) - params for x in (joint, split)]
+            # to the params' dtype (lamb's trust ratio on bfloat16 params shows through it only
+            # because the two parts' params differ in scale).
+            steps = [np.asarray(x[i], np.float64) - params for x in (joint, split)]
             _compare("x", dtype, *steps, atol=rounding)
           else:
-            _compare("x", dtype, joint[n], split[n], atol=ulp)
+            _compare("x", dtype, joint[i], split[i], atol=ulp)
           (shared, per), (split_shared, split_per) = (
             self.layout.split(state),
             self.layout.split(split_state),
           )
           for a, b in zip(
-            jax.tree.leaves((shared, per[n])), jax.tree.leaves((split_shared, split_per[n]))
+            jax.tree.leaves((shared, per[i])), jax.tree.leaves((split_shared, split_per[i]))
           ):
             # (each state array at its own precision: a float32 master copy at float32's)
             own = np.asarray(a).dtype
             _compare("x", own if jnp.issubdtype(own, jnp.floating) else dtype, a, b)
-        result[key] = True
+        result[item] = (True, None if prints is None else prints[i])
       except _NotSeparable:
-        result[key] = False
+        result[item] = (False, None if prints is None else prints[i])
     return result
 
 
-def _probe_program(inner, keys: Sequence[tuple]) -> dict[tuple, bool]:
+def _probe_program(inner, items: Sequence, at: At | None = None) -> dict:
+  """`_probe`'s items in one program (see there)."""
+  axis_of = (lambda item: item[3]) if at is None else (lambda item: item[0][3])
   probes = [
-    _Probe.make(inner, [k for k in keys if k[3] == axis], axis)
+    _Probe.make(inner, [i for i in items if axis_of(i) == axis], axis, at)
     for axis in (0, 1)
-    if any(k[3] == axis for k in keys)
+    if any(axis_of(i) == axis for i in items)
   ]
   with jax.ensure_compile_time_eval():
     # Compiled, not op by op, and one program for all: eager ops compile one small program each,
     # per shape (for a 13B Llama's leaves, 5 s of the first compile's trace), and each program
     # ~0.3 s.
-    args = [(p.params, p.grads) for p in probes]
+    args = [(p.params, p.grads, p.canonical) for p in probes]
     program = jax.jit(lambda args: [p.run(inner, *a) for p, a in zip(probes, args)])
     outs = jax.device_get(_compiled(program.trace(args))(args))
   result = {}

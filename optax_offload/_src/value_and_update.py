@@ -430,9 +430,41 @@ class _Step:
 
     jax.eval_shape(probe, leaves)
     for stack_leaves, n_layers in found:
+      self.check_rules(stack_leaves)
       for i in stack_leaves:
         self.check_fusable(i, n_layers)
     return found
+
+  def avals(self) -> list[jax.ShapeDtypeStruct]:
+    """The params' shapes and dtypes (as planned)."""
+    return [
+      jax.ShapeDtypeStruct(jnp.shape(x), dtype) for x, dtype in zip(self.leaves, self.setup.dtypes)
+    ]
+
+  def check_rules(self, stack_leaves) -> None:
+    """A stack's leaves are updated as a tuple of their own (`update`): the inner transformation
+    must update them there as at their own paths."""
+    same = separable.rules_on_a_tuple(
+      self.s.offloaded.inner, self.treedef, self.avals(), stack_leaves
+    )
+    fix = (
+      "give the rule by the leaves' shapes (e.g. mask=lambda p: jax.tree.map(lambda x: x.ndim "
+      "> 1, p)), or use jax.value_and_grad and oo.update_and_apply, which update every leaf at "
+      "its own path."
+    )
+    if same is None:
+      raise ValueError(
+        "value_and_update: the optimizer cannot update a layer stack's leaves as a tuple of "
+        "their own, as value_and_update does (a mask or labels given as a pytree?); " + fix
+      )
+    for i, ok in zip(stack_leaves, same):
+      if not ok:
+        raise ValueError(
+          f"value_and_update: the optimizer updates stack leaf {self.paths[i]} by a rule picked "
+          "by its path (a mask or labels given by a function of the paths?), and "
+          "value_and_update updates a layer stack's leaves as a tuple of their own, where that "
+          "rule is not picked; " + fix
+        )
 
   def check_fusable(self, i: int, n_layers: int) -> None:
     setup, path = self.setup, self.paths[i]
@@ -454,9 +486,7 @@ class _Step:
     """Whether leaf i's update may run in row slices, probed whatever the size of its state
     (the plan probes only leaves with state of at least `min_size` elements)."""
     off = self.s.offloaded
-    avals = [
-      jax.ShapeDtypeStruct(jnp.shape(x), dtype) for x, dtype in zip(self.leaves, self.setup.dtypes)
-    ]
+    avals = self.avals()
     _, per_leaf = self.layout.split(jax.eval_shape(off.inner.init, self.treedef.unflatten(avals)))
     dims = [separable.shared_dims(part, a.shape) for part, a in zip(per_leaf, avals)]
     rows = separable.splittable(off.inner, avals, per_leaf, dims, 1, axis=0, treedef=self.treedef)
