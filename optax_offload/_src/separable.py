@@ -150,9 +150,9 @@ def splittable(
   on_a_tuple = not any(("no tuple", k) in known for k in asked)
   # Only a user's function or pytree picks a rule by path (optax's own code does not): with
   # neither (a `closure_key`), the tuple's rules are the params' (but for params that are a tuple
-  # themselves, whose mask may be one too).
-  flat = treedef is not None and treedef == jax.tree.structure((0,) * treedef.num_leaves)
-  if treedef is None or (alike and on_a_tuple and not flat):
+  # themselves, whose mask may be a tuple too, fitting the probes' tree).
+  tuple_root = treedef is not None and (treedef.node_data() or (None,))[0] is tuple
+  if treedef is None or (alike and on_a_tuple and not tuple_root):
     return [int(a.shape[axis]) if k in known and known[k][0] else 0 for k, a in zip(keys, avals)]
   if on_a_tuple and not any(known[k][0] for k in asked):
     return [0] * len(keys)  # (no probe splits: lamb's; a leaf of another rule stays whole)
@@ -174,10 +174,9 @@ def splittable(
         reps.append((k, n))
   if reps:
     items = sorted({(j, n) for k, n in reps for j in _both_axes({k})}, key=repr)
-    results, failed = _probe(inner, items, at=At(treedef, tuple(avals)))
-    for (j, n), (v, _) in results.items():
-      if (j, n) not in failed:
-        known.setdefault(("at", j), []).append((prints[n], v))
+    results, _ = _probe(inner, items, at=At(treedef, tuple(avals)))
+    for (j, n), (v, _) in results.items():  # (one that failed: not split, not probed again)
+      known.setdefault(("at", j), []).append((prints[n], v))
   return [
     int(a.shape[axis]) if k is not None and verdict(k, n) else 0
     for n, (k, a) in enumerate(zip(keys, avals))
@@ -227,15 +226,34 @@ def _canonical(dtype, trailing: Sequence[int]) -> tuple[np.ndarray, list[np.ndar
 
 
 def _steps(inner, treedef, params, grads):
-  """Per leaf, `inner`'s updates at each step (a leading axis), the params held (traced)."""
+  """Per leaf, `inner`'s updates at each step (a leading axis) and how each array of its state
+  moved from its initial value (floating arrays; others as they are), the params held (traced)."""
   tree = treedef.unflatten(params)
+  layout = StateLayout(inner, treedef)
+  initial = inner.init(tree)
+
+  def moved(state):
+    return [
+      [
+        x - x0 if jnp.issubdtype(x.dtype, jnp.floating) else x
+        for x, x0 in zip(jax.tree.leaves(part), jax.tree.leaves(part0))
+      ]
+      for part, part0 in zip(layout.split(state)[1], layout.split(initial)[1])
+    ]
 
   def step(state, g):
     updates, state = inner.update(treedef.unflatten(g), state, tree)
-    return state, treedef.flatten_up_to(updates)
+    return state, list(zip(treedef.flatten_up_to(updates), moved(state)))
 
-  stacked = [jnp.stack(leaf) for leaf in zip(*grads)]
-  return jax.lax.scan(step, inner.init(tree), stacked)[1]
+  try:
+    stacked = [jnp.stack(leaf) for leaf in zip(*grads)]
+    return jax.lax.scan(step, initial, stacked)[1]
+  except TypeError:  # a state whose dtypes change from step to step (adam's on an int leaf)
+    state, out = initial, []
+    for g in grads:
+      state, o = step(state, g)
+      out.append(o)
+    return jax.tree.map(lambda *x: jnp.stack(x), *out)
 
 
 def _fingerprints(inner, treedef, avals: Sequence[jax.ShapeDtypeStruct]) -> list | None:
@@ -316,11 +334,16 @@ def rules_on_a_tuple(
 
 
 def _alike(a, b, dtype) -> bool:
-  """Whether two fingerprints are of one rule (equal within `dtype`'s tolerance)."""
+  """Whether two fingerprints (a leaf's updates and its state's moves) are of one rule: equal
+  within the tolerance of each array's dtype (`dtype`'s for the updates)."""
+  (updates, moves), (other_updates, other_moves) = a, b
   try:
-    _compare("x", dtype, a, b)
+    _compare("x", dtype, updates, other_updates)
+    for x, y in zip(moves, other_moves, strict=True):
+      own = np.asarray(x).dtype
+      _compare("x", own if jnp.issubdtype(own, jnp.floating) else dtype, x, y)
     return True
-  except _NotSeparable:
+  except ValueError:  # (another rule: other values, or a state of other shapes)
     return False
 
 
@@ -522,6 +545,11 @@ class _Probe:
       try:
         if not self.ok[n]:
           raise _NotSeparable("the state is not the key's, or does not share the split axes")
+        base = params if self.axis == 1 else 0.0  # (columns: the params, applied)
+        if not any(np.any(np.asarray(joint[i], np.float64) != base) for joint, *_ in out):
+          # No update in the probe's steps (optax.MultiSteps of more steps, a learning rate of
+          # 0 at first): nothing seen, nothing split.
+          raise _NotSeparable("the update did not move the params in the probe's steps")
         for joint, split, state, split_state in out:
           if self.axis == 1:
             # New params, applied in place: their steps are compared, less a rounding of the sum
