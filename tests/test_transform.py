@@ -727,6 +727,19 @@ def _by_path_w(params):
 
 
 _WARM_UP = optax.linear_schedule(0.0, 1e-2, 10)
+
+
+def _wait_3_steps():
+  """Zero gradients for the first 3 steps (a transformation keeping only a count)."""
+
+  def update(updates, state, params=None):
+    del params
+    scale = (state >= 3).astype(jnp.float32)
+    return jax.tree.map(lambda u: u * scale.astype(u.dtype), updates), state + 1
+
+  return optax.GradientTransformation(lambda p: jnp.zeros([], jnp.int32), update)
+
+
 _PATH_RULES = {
   # (make, params as a list, the leaves split in rows): a rule without a state of its own, picked
   # by path, changes nothing on the probes' own tree (whose paths the mask does not pick): lars'
@@ -763,10 +776,10 @@ _PATH_RULES = {
     [],  # (not [1]: where no probe on the probes' own tree splits, no leaf is probed further)
   ),
   "weight_decay": (lambda: optax.adamw(1e-2, weight_decay=0.1, mask=_by_path_w), False, ["b", "w"]),
-  # Older: an update that does not move in the probe's steps (MultiSteps of 4) was taken as
-  # separable, and lamb split (171% off plain optax); now nothing seen, nothing split.
-  "multi_steps_4_lamb": (
-    lambda: optax.MultiSteps(optax.lamb(1e-2), 4).gradient_transformation(),
+  # Older: an update that moves neither itself nor its state in the probe's steps was taken as
+  # separable (a lamb that waits: its state stays at init); now nothing seen, nothing split.
+  "waiting_lamb": (
+    lambda: optax.chain(_wait_3_steps(), optax.lamb(1e-2)),
     False,
     [],
   ),
@@ -858,6 +871,10 @@ def test_bfloat16_params_are_split_only_where_the_update_allows():
   assert splits(optax.lamb(1e-3), jnp.float32) == [(0, 0)] * 2
   assert splits(optax.adamw(1e-3)) == [(512, 256)] * 2
   assert splits(optax.adamw(1e-3), jnp.float32) == [(512, 256)] * 2
+  # At a small learning rate the bfloat16 updates round to 0 in the probe's steps while the master
+  # copy moves: still split (a probe in which nothing moves splits nothing).
+  avals[:] = [jax.ShapeDtypeStruct((8192,), jnp.bfloat16) for _ in range(2)]  # (norm scales)
+  assert splits(optax.adamw(1e-5), jnp.float32) == [(8192, 0)] * 2
 
 
 def test_a_split_probes_values_do_not_depend_on_the_keys_probed_beside_it():

@@ -527,6 +527,15 @@ class _Probe:
     steps = [jax.tree.map(lambda x, t=t: x[t], out) for t in range(len(grads))]
     return steps, None if canonical is None else _steps(inner, self.treedef, *canonical)
 
+  def moved(self, out, i: int, params: np.ndarray) -> bool:
+    """Whether leaf i's update, or its state, moved in the probe's steps (bfloat16 updates under
+    a float32 master copy at a small learning rate round to 0 while the master moves)."""
+    base = params if self.axis == 1 else 0.0  # (columns: the params, applied)
+    if any(np.any(np.asarray(joint[i], np.float64) != base) for joint, *_ in out):
+      return True
+    first, last = (jax.tree.leaves(self.layout.split(o[2])[1][i]) for o in (out[0], out[-1]))
+    return any(np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(first, last))
+
   def check(self, out) -> dict:
     """Each item's (verdict, fingerprint) from `run`'s results."""
     out, prints = out
@@ -545,11 +554,10 @@ class _Probe:
       try:
         if not self.ok[n]:
           raise _NotSeparable("the state is not the key's, or does not share the split axes")
-        base = params if self.axis == 1 else 0.0  # (columns: the params, applied)
-        if not any(np.any(np.asarray(joint[i], np.float64) != base) for joint, *_ in out):
-          # No update in the probe's steps (optax.MultiSteps of more steps, a learning rate of
-          # 0 at first): nothing seen, nothing split.
-          raise _NotSeparable("the update did not move the params in the probe's steps")
+        if not self.moved(out, i, params):
+          # Nothing moved in the probe's steps (an update that waits longer than they last):
+          # nothing seen, nothing split.
+          raise _NotSeparable("neither the update nor the state moved in the probe's steps")
         for joint, split, state, split_state in out:
           if self.axis == 1:
             # New params, applied in place: their steps are compared, less a rounding of the sum
