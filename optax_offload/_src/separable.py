@@ -5,6 +5,10 @@ leaf depends on its own gradient, parameter and state plus shared scalars. The c
 transformation for a few steps on a miniature of the parameter tree (same structure, ranks and dtypes,
 at most 3 elements per axis), once on the whole tree and once in two groups, with gradients of very
 different scales in the two groups, and compares.
+
+`splittable` probes, the same way, which leaves may be updated in row slices or column chunks, on
+a tree of its own; each leaf's rule (`_fingerprints`) says whether the probe's verdict is the
+leaf's, or the leaf must be probed at its own path (a rule picked by path).
 """
 
 from __future__ import annotations
@@ -365,7 +369,10 @@ _LEARNED: collections.OrderedDict[str, tuple[list, dict]] = collections.OrderedD
 """What the probes found of the last `_LEARNED_KEPT` transformations probed, by `closure_key` (a
 transformation built again alike, e.g. ``optax.adamw(1e-2)`` in a new `offload`, is not traced,
 compiled nor run again): (the objects its key names by identity, the verdicts: a split key's
-`splittable` verdict, and ``("separable", treedef, miniature)`` for a passed `check_separable`)."""
+(verdict, fingerprint) on a tuple tree, ``("no tuple", key)`` where that probe failed, ``("at",
+key)``: (fingerprint, verdict) pairs probed at the params' paths, ``("fingerprints", treedef,
+names)`` and ``("on a tuple", names)``: the leaves' rules (`_fingerprints`, `rules_on_a_tuple`),
+and ``("separable", treedef, miniature)`` for a passed `check_separable`)."""
 _LEARNED_KEPT = 16
 
 
@@ -396,7 +403,7 @@ def _probe(inner, items: Sequence, at: At | None = None, warn: bool = True) -> t
 
   Returns:
     (each item's verdict and, on a tuple tree, its fingerprint; the items whose probe failed: not
-    split, and not kept for the next call).
+    split, which the caller keeps as such).
   """
   try:
     return _probe_program(inner, items, at), set()
