@@ -214,19 +214,28 @@ def _miniatures(avals) -> tuple[list[np.ndarray], list[np.ndarray]]:
   return params, [(rng.normal(size=s) * 1e-2).astype(d) for s, d in shapes]
 
 
-def _canonical(dtype, trailing: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
-  """The values a rule is known by (`_fingerprints`): params and each step's gradients of a
-  leaf of `dtype` and these trailing axes (cut to 3), with parts of very different scales."""
-  trailing = tuple(min(int(d), 3) for d in trailing)
-  rng = np.random.default_rng(zlib.crc32(repr((jnp.dtype(dtype), trailing)).encode()))
-  params = rng.normal(size=(4, *trailing)) + 0.5
-  params[:1] *= _PARAM_SCALE
+def _two_parts(rng, shape, dtype, axis: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+  """Params and each probe step's gradients, the first part along `axis` (row 0, or the first
+  half of the columns) of very different scales from the rest. The params' factor is a power of
+  two (exact in any dtype): a rule over the whole leaf's params (lamb's and lars's trust ratio,
+  a param-RMS scale) then moves a split update by far more than a rounding."""
+  part = (slice(None),) * axis + (slice(0, shape[1] // 2 if axis else 1),)
+  params = rng.normal(size=shape) + 0.5
+  params[part] *= _PARAM_SCALE
   grads = []
   for scale in _GROUP_SCALES:
-    g = rng.normal(size=params.shape) * 1e-2
-    g[:1] *= 1e2 * scale
+    g = rng.normal(size=shape) * 1e-2
+    g[part] *= 1e2 * scale
     grads.append(g.astype(dtype))
   return params.astype(dtype), grads
+
+
+def _canonical(dtype, trailing: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The values a rule is known by (`_fingerprints`): `_two_parts` of a leaf of `dtype` and these
+  trailing axes (cut to 3)."""
+  trailing = tuple(min(int(d), 3) for d in trailing)
+  rng = np.random.default_rng(zlib.crc32(repr((jnp.dtype(dtype), trailing)).encode()))
+  return _two_parts(rng, (4, *trailing), dtype)
 
 
 def _steps(inner, treedef, params, grads):
@@ -452,22 +461,9 @@ class _Probe:
     shapes = [(next(m for m in range(5, 64) if m not in k[1]), *k[1]) for k in keys]
     # Each key's values from its own seed: its verdict does not depend on the keys beside it.
     rngs = [np.random.default_rng(zlib.crc32(repr(k[:4]).encode())) for k in keys]
-    mine = []
-    for rng, s, k in zip(rngs, shapes, keys):
-      p = rng.normal(size=s) + 0.5
-      # Params of very different scales in the two parts too (a power of two: exact in any
-      # dtype): a rule over the whole leaf's params (lamb's and lars's trust ratio, a param-RMS
-      # scale) then moves the split update by far more than a rounding.
-      p[(slice(None),) * axis + (slice(0, s[1] // 2 if axis else 1),)] *= _PARAM_SCALE
-      mine.append(p.astype(k[0]))
-    grads = []
-    for scale in _GROUP_SCALES:
-      step = []
-      for rng, s, k in zip(rngs, shapes, keys):
-        g = rng.normal(size=s) * 1e-2
-        g[(slice(None),) * axis + (slice(0, s[1] // 2 if axis else 1),)] *= 1e2 * scale
-        step.append(g.astype(k[0]))
-      grads.append(step)
+    values = [_two_parts(rng, s, k[0], axis) for rng, s, k in zip(rngs, shapes, keys)]
+    mine = [p for p, _ in values]
+    grads = [[g[t] for _, g in values] for t in range(len(_GROUP_SCALES))]
     if at is None:
       treedef, index, params = jax.tree.structure((0,) * len(keys)), list(range(len(keys))), mine
       values = [_canonical(k[0], k[1]) for k in keys]
