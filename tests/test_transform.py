@@ -408,6 +408,21 @@ def test_non_separable_inner_is_refused(params):
     tx.init(params)
 
 
+def test_a_transformation_that_waits_is_checked_until_it_moves(params, caplog):
+  # The separability check ran 3 steps: MultiSteps of 4 micro-steps around a global-norm clip
+  # inside offload passed it (its updates are 0 until the 4th) and trained wrongly.
+  waits = lambda k: optax.MultiSteps(  # noqa: E731
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), k
+  ).gradient_transformation()
+  with pytest.raises(ValueError, match=r"not separable"):
+    oo.offload(waits(4)).init(params)
+  with caplog.at_level("INFO"):  # longer than the check: not checked, nothing split, a warning
+    oo.offload(waits(32), window_bytes=SMALL_WINDOW, min_size=16).init(params)
+  assert "did not move in the 16 steps" in caplog.text, caplog.text
+  assert "MultiSteps around offload" in caplog.text
+  assert "][0:" not in caplog.text, caplog.text  # (no row slices)
+
+
 def _momentum(scale_of):
   """SGD with momentum whose step is ``scale_of(m, grads)`` (Python code run as each call of
   the update is traced: whole, in groups, in row slices)."""
@@ -776,12 +791,37 @@ _PATH_RULES = {
     [],  # (not [1]: where no probe on the probes' own tree splits, no leaf is probed further)
   ),
   "weight_decay": (lambda: optax.adamw(1e-2, weight_decay=0.1, mask=_by_path_w), False, ["b", "w"]),
-  # Older: an update that moves neither itself nor its state in the probe's steps was taken as
-  # separable (a lamb that waits: its state stays at init); now nothing seen, nothing split.
+  # Older: an update that waits longer than the probes' first steps, where only a state moved
+  # (MultiSteps' sum of the gradients) or nothing did, was taken as separable: lamb was split. The
+  # probes of such a transformation now run until its update moves (up to 16 steps).
   "waiting_lamb": (
     lambda: optax.chain(_wait_3_steps(), optax.lamb(1e-2)),
     False,
     [],
+  ),
+  "multi_steps_4_lamb": (
+    lambda: optax.MultiSteps(optax.lamb(1e-2), 4).gradient_transformation(),
+    False,
+    [],
+  ),
+  "lamb_lr_0_for_3_steps": (
+    lambda: optax.lamb(
+      optax.join_schedules([optax.constant_schedule(0.0), optax.constant_schedule(1e-2)], [3])
+    ),
+    False,
+    [],
+  ),
+  "multi_steps_4_lars": (
+    lambda: optax.MultiSteps(
+      optax.lars(1e-2, trust_ratio_mask=_by_path_w), 4
+    ).gradient_transformation(),
+    False,
+    ["b"],
+  ),
+  "multi_steps_4_adamw": (
+    lambda: optax.MultiSteps(optax.adamw(1e-2), 4).gradient_transformation(),
+    False,
+    ["b", "w"],
   ),
   # Older: a mask given as a tuple fits the probes' tuple tree (params a tuple of dicts).
   "tuple_mask": (lambda: optax.lars(1e-2, trust_ratio_mask=(True, False)), "tuple", ["b"]),

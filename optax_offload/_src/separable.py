@@ -2,13 +2,14 @@
 
 `offload` runs the inner transformation group by group, which is only correct when the update of a
 leaf depends on its own gradient, parameter and state plus shared scalars. The check runs the inner
-transformation for a few steps on a miniature of the parameter tree (same structure, ranks and dtypes,
-at most 3 elements per axis), once on the whole tree and once in two groups, with gradients of very
-different scales in the two groups, and compares.
+transformation for `_STEPS` steps on a miniature of the parameter tree (same structure, ranks and
+dtypes, at most 3 elements per axis), once on the whole tree and once in two groups, with gradients
+of very different scales in the two groups, and compares.
 
 `splittable` probes, the same way, which leaves may be updated in row slices or column chunks, on
-a tree of its own; each leaf's rule (`_fingerprints`) says whether the probe's verdict is the
-leaf's, or the leaf must be probed at its own path (a rule picked by path).
+a tree of its own, over `_FEW_STEPS` steps (`_STEPS` for a transformation whose update waits:
+`_horizon`); each leaf's rule (`_fingerprints`) says whether the probe's verdict is the leaf's, or
+the leaf must be probed at its own path (a rule picked by path).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import optax
 
 from optax_offload._src import closure_key
+from optax_offload._src import master
 from optax_offload._src import stream
 from optax_offload._src import stream_spec
 from optax_offload._src.layout import StateLayout
@@ -34,7 +36,17 @@ from optax_offload._src.plan import Tier
 logger = logging.getLogger(__name__)
 
 _GROUP_SCALES = (1e3, 1e1, 1e2)
-"""Gradient scale of the first group at each probe step; the second group's is fixed at 1e-2."""
+"""Gradient scales of the first group, in turn at each probe step; the second group's is 1e-2."""
+_STEPS = 16
+"""Steps of the separability check, and of the split probes of a transformation whose update
+waits (``optax.MultiSteps`` inside `offload`, a learning rate of 0 at first): it is seen where it
+moves within them. A leaf whose update (or master copy) moves in none of them is not split, and a
+transformation whose updates all wait longer is not checked for separability (a warning)."""
+_FEW_STEPS = 3
+"""Steps of the split probes (and the rules, `_fingerprints`) of a transformation until one
+probe's update waits longer (`_horizon`)."""
+_SCALES = tuple(_GROUP_SCALES[t % len(_GROUP_SCALES)] for t in range(_STEPS))
+"""The first group's gradient scale at each probe step."""
 _PARAM_SCALE = 8.0
 """The split probes' params in the first part are this many times the second part's."""
 
@@ -214,7 +226,9 @@ def _miniatures(avals) -> tuple[list[np.ndarray], list[np.ndarray]]:
   return params, [(rng.normal(size=s) * 1e-2).astype(d) for s, d in shapes]
 
 
-def _two_parts(rng, shape, dtype, axis: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+def _two_parts(
+  rng, shape, dtype, axis: int = 0, steps: int = _FEW_STEPS
+) -> tuple[np.ndarray, list[np.ndarray]]:
   """Params and each probe step's gradients, the first part along `axis` (row 0, or the first
   half of the columns) of very different scales from the rest. The params' factor is a power of
   two (exact in any dtype): a rule over the whole leaf's params (lamb's and lars's trust ratio,
@@ -223,19 +237,24 @@ def _two_parts(rng, shape, dtype, axis: int = 0) -> tuple[np.ndarray, list[np.nd
   params = rng.normal(size=shape) + 0.5
   params[part] *= _PARAM_SCALE
   grads = []
-  for scale in _GROUP_SCALES:
+  for scale in _SCALES[:steps]:
     g = rng.normal(size=shape) * 1e-2
     g[part] *= 1e2 * scale
     grads.append(g.astype(dtype))
   return params.astype(dtype), grads
 
 
-def _canonical(dtype, trailing: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+def _canonical(dtype, trailing: Sequence[int], steps: int) -> tuple[np.ndarray, list[np.ndarray]]:
   """The values a rule is known by (`_fingerprints`): `_two_parts` of a leaf of `dtype` and these
   trailing axes (cut to 3)."""
   trailing = tuple(min(int(d), 3) for d in trailing)
   rng = np.random.default_rng(zlib.crc32(repr((jnp.dtype(dtype), trailing)).encode()))
-  return _two_parts(rng, (4, *trailing), dtype)
+  return _two_parts(rng, (4, *trailing), dtype, steps=steps)
+
+
+def _horizon(learned: dict) -> int:
+  """The steps of `inner`'s split probes and rules (`learned`: its `_learned` verdicts)."""
+  return learned.get(("steps",), _FEW_STEPS)
 
 
 def _steps(inner, treedef, params, grads):
@@ -258,15 +277,33 @@ def _steps(inner, treedef, params, grads):
     updates, state = inner.update(treedef.unflatten(g), state, tree)
     return state, list(zip(treedef.flatten_up_to(updates), moved(state)))
 
+  return _scan(step, initial, [jnp.stack(leaf) for leaf in zip(*grads)])
+
+
+def _scan(step, init, xs):
+  """The outputs of ``jax.lax.scan(step, init, xs)``, stacked; with the first step taken apart
+  where the carry's dtypes change at it (adam's state of an integer leaf)."""
   try:
-    stacked = [jnp.stack(leaf) for leaf in zip(*grads)]
-    return jax.lax.scan(step, initial, stacked)[1]
-  except TypeError:  # a state whose dtypes change from step to step (adam's on an int leaf)
-    state, out = initial, []
-    for g in grads:
-      state, o = step(state, g)
-      out.append(o)
-    return jax.tree.map(lambda *x: jnp.stack(x), *out)
+    return jax.lax.scan(step, init, xs)[1]
+  except TypeError:
+    carry, first = step(init, jax.tree.map(lambda x: x[0], xs))
+    rest = jax.lax.scan(step, carry, jax.tree.map(lambda x: x[1:], xs))[1]
+    return jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+
+
+def _moved(updates, last_state, treedef, params, i: int) -> bool:
+  """Whether leaf i's update moved in a probe's steps (`updates`: its update at each step), or
+  its master copy did (bfloat16 updates under a float32 master copy at a small learning rate
+  round to 0 while the master moves). A state that moves alone (`optax.MultiSteps`' sum of the
+  gradients) shows nothing of the update's rule."""
+  if any(np.any(np.asarray(u) != 0) for u in updates):
+    return True
+  if not isinstance(last_state, master.MasterState):
+    return False
+  copy = treedef.flatten_up_to(last_state.master)[i]
+  return copy is not None and bool(
+    np.any(np.asarray(copy, np.float64) != np.asarray(params[i], np.float64))
+  )
 
 
 def _fingerprints(inner, treedef, avals: Sequence[jax.ShapeDtypeStruct]) -> list | None:
@@ -280,14 +317,15 @@ def _fingerprints(inner, treedef, avals: Sequence[jax.ShapeDtypeStruct]) -> list
   """
   learned = _learned(inner)[0]
   named = [_named(a) for a in avals]
-  asked = ("fingerprints", treedef, tuple(named))
+  steps = _horizon(learned)
+  asked = ("fingerprints", treedef, tuple(named), steps)
   if asked in learned:
     return learned[asked]
   params, grads = _miniatures(avals)
-  grads = [list(grads) for _ in _GROUP_SCALES]
+  grads = [list(grads) for _ in range(steps)]
   for n, name in enumerate(named):
     if name is not None:
-      params[n], mine = _canonical(*name)
+      params[n], mine = _canonical(*name, steps)
       for step, g in zip(grads, mine):
         step[n] = g
   with jax.ensure_compile_time_eval():
@@ -322,15 +360,16 @@ def rules_on_a_tuple(
   """
   named = [_named(avals[i]) for i in leaves]
   learned, alike = _learned(inner)
-  asked = ("on a tuple", tuple(named))
+  steps = _horizon(learned)
+  asked = ("on a tuple", tuple(named), steps)
   if asked not in learned:
     values = [
-      _canonical(*n) if n is not None else _miniatures([avals[i]]) for n, i in zip(named, leaves)
+      _canonical(*n, steps) if n is not None else _miniatures([avals[i]])
+      for n, i in zip(named, leaves)
     ]
     params = [p if n is not None else p[0] for n, (p, _) in zip(named, values)]
     grads = [
-      [g[t] if n is not None else g[0] for n, (_, g) in zip(named, values)]
-      for t in range(len(_GROUP_SCALES))
+      [g[t] if n is not None else g[0] for n, (_, g) in zip(named, values)] for t in range(steps)
     ]
     with jax.ensure_compile_time_eval():
       try:
@@ -380,8 +419,9 @@ transformation built again alike, e.g. ``optax.adamw(1e-2)`` in a new `offload`,
 compiled nor run again): (the objects its key names by identity, the verdicts: a split key's
 (verdict, fingerprint) on a tuple tree, ``("no tuple", key)`` where that probe failed, ``("at",
 key)``: (fingerprint, verdict) pairs probed at the params' paths, ``("fingerprints", treedef,
-names)`` and ``("on a tuple", names)``: the leaves' rules (`_fingerprints`, `rules_on_a_tuple`),
-and ``("separable", treedef, miniature)`` for a passed `check_separable`)."""
+names, steps)`` and ``("on a tuple", names, steps)``: the leaves' rules (`_fingerprints`,
+`rules_on_a_tuple`), ``("steps",)``: the probes' steps where its update waits (`_horizon`), and
+``("separable", treedef, miniature)`` for a passed `check_separable`)."""
 _LEARNED_KEPT = 16
 
 
@@ -404,6 +444,18 @@ def _learned(inner) -> tuple[dict, bool]:
 
 
 def _probe(inner, items: Sequence, at: At | None = None, warn: bool = True) -> tuple[dict, set]:
+  """`_probe_steps` over `_horizon`'s steps; all again over `_STEPS` where an item's update did not
+  move in fewer (a transformation that waits: its rules are then learned over as many)."""
+  learned = _learned(inner)[0]
+  steps = _horizon(learned)
+  results, failed = _probe_steps(inner, items, at, warn, steps)
+  if steps < _STEPS and any(v is None for v, _ in results.values()):
+    learned[("steps",)] = _STEPS
+    results, failed = _probe_steps(inner, items, at, warn, _STEPS)
+  return {k: (bool(v), f) for k, (v, f) in results.items()}, failed
+
+
+def _probe_steps(inner, items: Sequence, at: At | None, warn: bool, steps: int) -> tuple[dict, set]:
   """The split probes of ``(dtype, trailing axes, depth, axis, state structure)`` keys in one
   program, each key a leaf of one probe tree (the leaves' updates are independent:
   `check_separable`); one program an item if that fails, so that a key the probe cannot run stays
@@ -411,11 +463,12 @@ def _probe(inner, items: Sequence, at: At | None = None, warn: bool = True) -> t
   that leaf's path).
 
   Returns:
-    (each item's verdict and, on a tuple tree, its fingerprint; the items whose probe failed: not
-    split, which the caller keeps as such).
+    (each item's verdict (None where its update did not move in the `steps`) and, on a tuple
+    tree, its fingerprint; the items whose probe failed: not split, which the caller keeps as
+    such).
   """
   try:
-    return _probe_program(inner, items, at), set()
+    return _probe_program(inner, items, at, steps), set()
   except Exception as e:  # a best effort: find the items that fail
     if len(items) == 1:  # do not split what the probe cannot check
       if warn:
@@ -429,7 +482,7 @@ def _probe(inner, items: Sequence, at: At | None = None, warn: bool = True) -> t
       return {items[0]: (False, None)}, {items[0]}
     results, failed = {}, set()
     for item in items:
-      verdict, bad = _probe(inner, [item], at, warn)
+      verdict, bad = _probe_steps(inner, [item], at, warn, steps)
       results.update(verdict)
       failed |= bad
     return results, failed
@@ -456,17 +509,19 @@ class _Probe:
   update_dtypes: list  # the dtype of each leaf's update (before it is applied)
 
   @classmethod
-  def make(cls, inner, items: list, axis: int, at: At | None = None) -> _Probe:
+  def make(
+    cls, inner, items: list, axis: int, at: At | None = None, steps: int = _FEW_STEPS
+  ) -> _Probe:
     keys = list(items) if at is None else [k for k, _ in items]
     shapes = [(next(m for m in range(5, 64) if m not in k[1]), *k[1]) for k in keys]
     # Each key's values from its own seed: its verdict does not depend on the keys beside it.
     rngs = [np.random.default_rng(zlib.crc32(repr(k[:4]).encode())) for k in keys]
-    values = [_two_parts(rng, s, k[0], axis) for rng, s, k in zip(rngs, shapes, keys)]
+    values = [_two_parts(rng, s, k[0], axis, steps) for rng, s, k in zip(rngs, shapes, keys)]
     mine = [p for p, _ in values]
-    grads = [[g[t] for _, g in values] for t in range(len(_GROUP_SCALES))]
+    grads = [[g[t] for _, g in values] for t in range(steps)]
     if at is None:
       treedef, index, params = jax.tree.structure((0,) * len(keys)), list(range(len(keys))), mine
-      values = [_canonical(k[0], k[1]) for k in keys]
+      values = [_canonical(k[0], k[1], steps) for k in keys]
       canonical = ([p for p, _ in values], [list(g) for g in zip(*(g for _, g in values))])
     else:
       treedef, index, canonical = at.treedef, [n for _, n in items], None
@@ -506,14 +561,16 @@ class _Probe:
     )
 
   def run(self, inner, params, grads, canonical):
-    """The joint and the split update over the steps (traced, one step a scan iteration): for each
-    step, (joint updates, split updates, joint state, split state); and the fingerprints of the
-    tuple's paths (None at the params' own paths)."""
+    """The joint and the split update over the steps (traced, one step a scan iteration), each
+    stacked over the steps: (joint updates, joint updates or new params (columns: applied), split
+    updates or new params, joint state, split state); and the fingerprints of the tuple's paths
+    (None at the params' own paths)."""
     tree = self.treedef.unflatten(params)
 
     def step(states, g):
       state, split_state = states
       joint, state = inner.update(self.treedef.unflatten(g), state, tree)
+      raw = self.treedef.flatten_up_to(joint)
       if self.axis == 1:
         joint = optax.apply_updates(tree, joint)
       shared, per = self.layout.split(split_state)
@@ -522,26 +579,17 @@ class _Probe:
       )
       split_state = self.layout.merge(new_shared, new_per)
       joint = self.treedef.flatten_up_to(joint)
-      return (state, split_state), (joint, split, state, split_state)
+      return (state, split_state), (raw, joint, split, state, split_state)
 
     state = inner.init(tree)
     stacked = jax.tree.map(lambda *g: jnp.stack(g), *grads)
-    _, out = jax.lax.scan(step, (state, state), stacked)
-    steps = [jax.tree.map(lambda x, t=t: x[t], out) for t in range(len(grads))]
-    return steps, None if canonical is None else _steps(inner, self.treedef, *canonical)
-
-  def moved(self, out, i: int, params: np.ndarray) -> bool:
-    """Whether leaf i's update, or its state, moved in the probe's steps (bfloat16 updates under
-    a float32 master copy at a small learning rate round to 0 while the master moves)."""
-    base = params if self.axis == 1 else 0.0  # (columns: the params, applied)
-    if any(np.any(np.asarray(joint[i], np.float64) != base) for joint, *_ in out):
-      return True
-    first, last = (jax.tree.leaves(self.layout.split(o[2])[1][i]) for o in (out[0], out[-1]))
-    return any(np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(first, last))
+    out = _scan(step, (state, state), stacked)
+    return out, None if canonical is None else _steps(inner, self.treedef, *canonical)
 
   def check(self, out) -> dict:
     """Each item's (verdict, fingerprint) from `run`'s results."""
     out, prints = out
+    out = [jax.tree.map(lambda x, t=t: x[t], out) for t in range(len(self.grads))]  # (by step)
     result = {}
     for n, (key, i) in enumerate(zip(self.keys, self.index)):
       dtype = key[0]
@@ -557,11 +605,10 @@ class _Probe:
       try:
         if not self.ok[n]:
           raise _NotSeparable("the state is not the key's, or does not share the split axes")
-        if not self.moved(out, i, params):
-          # Nothing moved in the probe's steps (an update that waits longer than they last):
-          # nothing seen, nothing split.
-          raise _NotSeparable("neither the update nor the state moved in the probe's steps")
-        for joint, split, state, split_state in out:
+        if not _moved([o[0][i] for o in out], out[-1][3], self.treedef, self.params, i):
+          result[item] = (None, None if prints is None else prints[i])  # (nothing seen)
+          continue
+        for _, joint, split, state, split_state in out:
           if self.axis == 1:
             # New params, applied in place: their steps are compared, less a rounding of the sum
             # to the params' dtype (lamb's trust ratio on bfloat16 params shows through it only
@@ -586,11 +633,11 @@ class _Probe:
     return result
 
 
-def _probe_program(inner, items: Sequence, at: At | None = None) -> dict:
-  """`_probe`'s items in one program (see there)."""
+def _probe_program(inner, items: Sequence, at: At | None = None, steps: int = _FEW_STEPS) -> dict:
+  """`_probe_steps`'s items in one program (see there)."""
   axis_of = (lambda item: item[3]) if at is None else (lambda item: item[0][3])
   probes = [
-    _Probe.make(inner, [i for i in items if axis_of(i) == axis], axis, at)
+    _Probe.make(inner, [i for i in items if axis_of(i) == axis], axis, at, steps)
     for axis in (0, 1)
     if any(axis_of(i) == axis for i in items)
   ]
@@ -639,26 +686,27 @@ def check_separable(
   rng = np.random.default_rng(0)
   groups = (tuple(range(0, n, 2)), tuple(range(1, n, 2)))
   params = [(rng.normal(size=_miniature(a.shape)) + 0.5).astype(a.dtype) for a in avals]
+  # (each leaf's gradients at every step, stacked)
   grads = [
-    [
-      (rng.normal(size=p.shape) * (scale if i % 2 == 0 else 1e-2)).astype(p.dtype)
-      for i, p in enumerate(params)
-    ]
-    for scale in _GROUP_SCALES
+    np.stack([rng.normal(size=p.shape) * (s if i % 2 == 0 else 1e-2) for s in _SCALES]).astype(
+      p.dtype
+    )
+    for i, p in enumerate(params)
   ]
+  treedef = layout.params_treedef
 
   @jax.jit
   def joint_and_grouped(params, grads):
-    params_tree = layout.params_treedef.unflatten(params)
-    joint_state = split_state = inner.init(params_tree)
-    out = []
-    for g in grads:
-      joint, joint_state = inner.update(
-        layout.params_treedef.unflatten(g), joint_state, params_tree
-      )
+    params_tree = treedef.unflatten(params)
+
+    def step(states, g):
+      joint_state, split_state = states
+      joint, joint_state = inner.update(treedef.unflatten(g), joint_state, params_tree)
       split, split_state = run_grouped(inner, layout, groups, g, split_state, params)
-      out.append((layout.params_treedef.flatten_up_to(joint), split))
-    return out
+      return (joint_state, split_state), (treedef.flatten_up_to(joint), split, joint_state)
+
+    state = inner.init(params_tree)
+    return _scan(step, (state, state), grads)
 
   with jax.ensure_compile_time_eval():
     try:
@@ -672,9 +720,20 @@ def check_separable(
         e,
       )
       return
-  for joint, split in out:
+  joint, split, states = out
+  last = jax.tree.map(lambda x: x[-1], states)
+  if not any(_moved([joint[i]], last, treedef, params, i) for i in range(n)):
+    logger.warning(
+      "offload: the inner transformation's updates did not move in the %d steps of the check that "
+      "it is separable (optax.MultiSteps of more micro-steps inside offload, or a learning rate of 0 at first?), so it is not "
+      "checked, and no leaf is split in slices. Put optax.MultiSteps around offload: "
+      "optax.MultiSteps(oo.offload(...), k), which oo.update_and_apply recognises.",
+      _STEPS,
+    )
+    return
+  for t in range(_STEPS):
     for i in range(n):
-      _compare(paths[i], avals[i].dtype, joint[i], split[i])
+      _compare(paths[i], avals[i].dtype, joint[i][t], split[i][t])
   if alike:  # (by identity a pass may not hold: what the code reads may have changed)
     learned[asked] = True
 
