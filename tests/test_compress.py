@@ -459,6 +459,25 @@ def test_offload_keeps_int8_moments_on_the_host():
   assert bits_equal(plain[0].nu["w"], compress.dequantized(state.inner.inner[0].nu["w"]))
 
 
+def test_sm3s_int8_moments_keep_its_signed_momentum_and_its_accumulators():
+  # sm3 keeps one accumulator per axis of a param (a list: not shaped like it) and its momentum in
+  # a field named ``nu``: quantizing raised a pytree structure error inside init, and once past
+  # it the momentum took the unsigned map of Adam's ``nu`` (its negatives read back as 0).
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(256, 64)), jnp.float32), "b": jnp.ones(64)}
+  grads = {k: jnp.asarray(rng.normal(size=p.shape), jnp.float32) for k, p in params.items()}
+  tx = oo.with_moment_dtype(optax.sm3(1e-2, momentum=0.9), "int8")
+  state = tx.update(grads, tx.init(params), params)[1]
+  accumulators, momentum = state[0].mu["w"], state[0].nu["w"]
+  assert [a.dtype for a in accumulators] == [jnp.float32, jnp.float32]
+  assert momentum.codes.dtype == jnp.int8  # (the signed map)
+  want = optax.sm3(1e-2, momentum=0.9).update(grads, optax.sm3(1e-2).init(params), params)[1]
+  np.testing.assert_allclose(compress.dequantized(momentum), want[0].nu["w"], atol=2e-3)
+  got = train(oo.offload(optax.sm3(1e-2, momentum=0.9), moment_dtype="int8"), params, 3)
+  ref = train(tx, params, 3)
+  assert bits_equal(got[0], ref[0])
+
+
 @pytest.mark.parametrize(
   "name, update_on",
   [("adamw", "device"), ("sgd_momentum", "device"), ("lion", "device"), ("adamw", "host")],

@@ -15,7 +15,7 @@ elements along the last axis). A value is divided by its block's scale and repla
 of the nearest map value (ties to the lower index); it reads back as ``map[code] * scale``. The
 maps are bitsandbytes' `create_dynamic_map` (7 decades from 1e-7 to 1, linearly spaced within
 each; computed here in float64 and rounded to fp32 once): the unsigned one for moments that are
-never negative (slots named in `UNSIGNED_SLOTS`: Adam's ``nu``, ...), the signed one for the
+never negative (slots named in `UNSIGNED_SLOTS`: Adam's ``nu``, ...; not sm3's), the signed one for the
 others. Blocks run along the last axis (bitsandbytes' along the flattened array) so that a row
 slice of a moment (the plan's row slices, a stacked layer) holds whole blocks and its scales.
 """
@@ -47,6 +47,8 @@ UNSIGNED_SLOTS = frozenset({"nu", "nu_max", "sum_of_squares"})
 """Names of the state fields whose moments are never negative, quantized with the unsigned map
 (Adam's, RMSProp's, AdaBelief's ``nu``, AMSGrad's ``nu_max``, Adagrad's ``sum_of_squares``; as
 bitsandbytes quantizes its second state); every other moment takes the signed map."""
+_SIGNED_NU = (optax.ScaleBySM3State,)
+"""States whose ``nu`` is signed (sm3's is its momentum)."""
 
 
 def parse_moment_dtype(value: Any, name: str = "moment_dtype") -> np.dtype | None:
@@ -288,6 +290,18 @@ def _slot_name(path: Any) -> str:
   return ""
 
 
+def _parent(tree: Any, path: Any) -> Any:
+  """The node of `tree` holding the subtree at `path` (None where a key does not index it)."""
+  for key in path[:-1]:
+    if hasattr(key, "name"):
+      tree = getattr(tree, key.name, None)
+    elif isinstance(tree, (dict, list, tuple)):
+      tree = tree[key.key if hasattr(key, "key") else key.idx]
+    else:
+      return None
+  return tree
+
+
 def _is_wrapper(x: Any) -> bool:
   """A pytree node around one array that is no container (e.g. Flax NNX's ``nnx.Param``, which
   ``nnx.Optimizer`` passes to ``init``)."""
@@ -322,11 +336,14 @@ def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: A
   def per_slot(path, t, value):
     if not layout_lib.is_placeholder(t):
       return value
-    signed = _slot_name(path) not in UNSIGNED_SLOTS
+    signed = _slot_name(path) not in UNSIGNED_SLOTS or isinstance(_parent(state, path), _SIGNED_NU)
 
-    def one(x, p):
-      (x_leaf,), x_def = jax.tree.flatten(x)
+    def one(p, x):
+      x_leaves, x_def = jax.tree.flatten(x)
       (p_leaf,) = jax.tree.leaves(p)
+      if len(x_leaves) != 1:  # (not one array a param: sm3's accumulators, one per axis)
+        return x
+      (x_leaf,) = x_leaves
       if not quantizes(jnp.shape(x_leaf)) or not is_moment(x_leaf, p_leaf, INT8):
         return x
       # The barrier keeps XLA from constant-folding the quantization of the initial zeros inside a
@@ -334,7 +351,7 @@ def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: A
       q = quantize(jax.lax.optimization_barrier(x_leaf), signed)
       return QuantizedMoment(x_def.unflatten([q.codes]), x_def.unflatten([q.scales]))
 
-    return jax.tree.map(one, value, params, is_leaf=_is_wrapper)
+    return jax.tree.map(one, params, value, is_leaf=_is_wrapper)
 
   return jax.tree_util.tree_map_with_path(
     per_slot, template, state, is_leaf=layout_lib.is_placeholder
