@@ -890,9 +890,9 @@ def test_an_integer_leaf_does_not_stop_the_others_splitting(caplog):
 def test_bfloat16_params_are_split_only_where_the_update_allows():
   # The split probe allows 2 eps of the params only to updates computed wider than them (master
   # weights): lamb's trust ratio over the leaf moves a bfloat16 update by less than that, so its
-  # rows passed before as split; adamw's update is elementwise. Columns are applied in place: the
-  # probe compares steps less a rounding to the params' dtype, which hid lamb's columns on
-  # bfloat16 params until the probe's params took very different scales in the two parts.
+  # rows passed before as split; adamw's update is elementwise. Columns (applied in place by
+  # update_and_apply) were compared as steps applied to the params, less a rounding to the params'
+  # dtype, which hid lamb's columns on bfloat16 params (below).
   from optax_offload._src import separable
   from optax_offload._src import tree_plan
 
@@ -911,6 +911,13 @@ def test_bfloat16_params_are_split_only_where_the_update_allows():
   assert splits(optax.lamb(1e-3), jnp.float32) == [(0, 0)] * 2
   assert splits(optax.adamw(1e-3)) == [(512, 256)] * 2
   assert splits(optax.adamw(1e-3), jnp.float32) == [(512, 256)] * 2
+  # Columns were compared as steps applied to the params: at a small learning rate (a warm-up from
+  # 0) lamb's bfloat16 steps round to nothing there, and its columns were split (its updates up to
+  # 0.86 of the params' movement off after 2000 steps). The probe now compares the chunks' updates.
+  avals[:] = [jax.ShapeDtypeStruct((256, 128), jnp.bfloat16) for _ in range(2)]
+  assert splits(optax.lamb(optax.linear_schedule(0.0, 1e-3, 1000))) == [(0, 0)] * 2
+  assert splits(optax.adamw(1e-6)) == [(256, 128)] * 2
+  avals[:] = [jax.ShapeDtypeStruct((512, 256), jnp.bfloat16) for _ in range(2)]
   # At a small learning rate the bfloat16 updates round to 0 in the probe's steps while the master
   # copy moves: still split (a probe in which nothing moves splits nothing).
   avals[:] = [jax.ShapeDtypeStruct((8192,), jnp.bfloat16) for _ in range(2)]  # (norm scales)

@@ -117,10 +117,10 @@ def splittable(
   """Per leaf: the length of `axis` when its update may be split along it, else 0.
 
   Axis 0: updating rows ``[0:1]`` and ``[1:n]`` as separate pieces equals updating the whole leaf
-  (row slices and row chunks). Axis 1: updating it in two column chunks, each applied to the params
-  in place, equals the whole update applied. A probe checks this on a small leaf with the same
-  trailing axes (cut to 256) and very different param and gradient scales in the two parts, over
-  a few steps; the large state arrays must share the split axes with the param. Elementwise
+  (row slices and row chunks). Axis 1: updating it in two column chunks (which `update_and_apply`
+  applies to the params in place) equals updating it whole. A probe checks this on a small leaf
+  with the same trailing axes (cut to 256) and very different param and gradient scales in the
+  two parts, over a few steps; the large state arrays must share the split axes with the param. Elementwise
   optimizers qualify; lamb and lars (trust ratio over the leaf) do not, nor adafactor's factored
   moments along the factored axes (stacked 3-D leaves split along axis 0 qualify).
 
@@ -562,24 +562,23 @@ class _Probe:
 
   def run(self, inner, params, grads, canonical):
     """The joint and the split update over the steps (traced, one step a scan iteration), each
-    stacked over the steps: (joint updates, joint updates or new params (columns: applied), split
-    updates or new params, joint state, split state); and the fingerprints of the tuple's paths
-    (None at the params' own paths)."""
+    stacked over the steps: (joint updates, split updates, joint state, split state); and the
+    fingerprints of the tuple's paths (None at the params' own paths)."""
     tree = self.treedef.unflatten(params)
 
     def step(states, g):
       state, split_state = states
       joint, state = inner.update(self.treedef.unflatten(g), state, tree)
-      raw = self.treedef.flatten_up_to(joint)
-      if self.axis == 1:
-        joint = optax.apply_updates(tree, joint)
       shared, per = self.layout.split(split_state)
+      # (columns: each chunk's updates, not applied: a bfloat16 step applied to the params may
+      # round to nothing, hiding a rule over the leaf at a small learning rate)
+      chunked = {i: True for i in range(len(params))} if self.axis == 1 else None
       split, new_shared, new_per, _ = stream.run(
-        inner, self.layout, self.spec, list(g), shared, per, list(params), {}, apply=self.axis == 1
+        inner, self.layout, self.spec, list(g), shared, per, list(params), {}, chunk_updates=chunked
       )
       split_state = self.layout.merge(new_shared, new_per)
       joint = self.treedef.flatten_up_to(joint)
-      return (state, split_state), (raw, joint, split, state, split_state)
+      return (state, split_state), (joint, split, state, split_state)
 
     state = inner.init(tree)
     stacked = jax.tree.map(lambda *g: jnp.stack(g), *grads)
@@ -599,24 +598,16 @@ class _Probe:
       # own dtype get no such room (lamb's trust ratio on bfloat16 params moves an update by less
       # than a bfloat16 ulp of the params, far more than its own).
       wider = jnp.finfo(self.update_dtypes[i]).bits > jnp.finfo(dtype).bits
-      rounding = 2 * float(jnp.finfo(dtype).eps) * np.abs(params)  # (each element's)
-      ulp = rounding if wider else 0.0
+      ulp = 2 * float(jnp.finfo(dtype).eps) * np.abs(params) if wider else 0.0  # (each element's)
       item = key if self.canonical is not None else (key, i)
       try:
         if not self.ok[n]:
           raise _NotSeparable("the state is not the key's, or does not share the split axes")
-        if not _moved([o[0][i] for o in out], out[-1][3], self.treedef, self.params, i):
+        if not _moved([o[0][i] for o in out], out[-1][2], self.treedef, self.params, i):
           result[item] = (None, None if prints is None else prints[i])  # (nothing seen)
           continue
-        for _, joint, split, state, split_state in out:
-          if self.axis == 1:
-            # New params, applied in place: their steps are compared, less a rounding of the sum
-            # to the params' dtype (lamb's trust ratio on bfloat16 params shows through it only
-            # because the two parts' params differ in scale).
-            steps = [np.asarray(x[i], np.float64) - params for x in (joint, split)]
-            _compare("x", dtype, *steps, atol=rounding)
-          else:
-            _compare("x", dtype, joint[i], split[i], atol=ulp)
+        for joint, split, state, split_state in out:
+          _compare("x", dtype, joint[i], split[i], atol=ulp)
           (shared, per), (split_shared, split_per) = (
             self.layout.split(state),
             self.layout.split(split_state),
@@ -725,9 +716,10 @@ def check_separable(
   if not any(_moved([joint[i]], last, treedef, params, i) for i in range(n)):
     logger.warning(
       "offload: the inner transformation's updates did not move in the %d steps of the check that "
-      "it is separable (optax.MultiSteps of more micro-steps inside offload, or a learning rate of 0 at first?), so it is not "
-      "checked, and no leaf is split in slices. Put optax.MultiSteps around offload: "
-      "optax.MultiSteps(oo.offload(...), k), which oo.update_and_apply recognises.",
+      "it is separable (optax.MultiSteps of more micro-steps inside offload, or a learning rate "
+      "of 0 at first?), so it is not checked, and no leaf is split in slices. Put "
+      "optax.MultiSteps around offload: optax.MultiSteps(oo.offload(...), k), which "
+      "oo.update_and_apply recognises.",
       _STEPS,
     )
     return

@@ -507,6 +507,7 @@ def run(
   row_offset: Any = None,
   grad_dtypes: Sequence[Any] | None = None,
   update_dtypes: Sequence[Any] | None = None,
+  chunk_updates: dict[int, bool] | None = None,
 ) -> tuple[list[Any], list[Any], list[Any], Any]:
   """Runs the inner update group by group.
 
@@ -539,6 +540,8 @@ def run(
     update_dtypes: None, or per leaf the dtype of its updates (the params', or the master's with
       `master_dtype`): without `apply`, on the device window of a GPU, a whole leaf whose updates
       have its gradient's dtype is updated in the spec's chunks (`_chunked_updates`).
+    chunk_updates: None, or per leaf whether its updates (without `apply`) are computed in the
+      spec's chunks, in place of `_chunked_updates`' choice (the split probes' column chunks).
 
   Returns:
     (update leaves, or new param leaves with `apply`; new shared leaves; new per-leaf parts; new
@@ -568,7 +571,9 @@ def run(
     row_offset,
     grad_dtypes,
   )
-  if placement == "device" and not apply and len(spec.units) > 1:
+  if chunk_updates is not None:
+    r.chunk_updates = dict(chunk_updates)
+  elif placement == "device" and not apply and len(spec.units) > 1:
     r.chunk_updates = _chunked_updates(spec, grads, params, update_dtypes) or None
   if placement != "host":
     r.stream_host_params()
