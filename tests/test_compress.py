@@ -478,6 +478,27 @@ def test_sm3s_int8_moments_keep_its_signed_momentum_and_its_accumulators():
   assert bits_equal(got[0], ref[0])
 
 
+class _Box(dict):
+  """A dict registered as a pytree node without keys (its paths hold flattened indices)."""
+
+
+jax.tree_util.register_pytree_node(
+  _Box, lambda b: (list(b.values()), list(b.keys())), lambda k, v: _Box(zip(k, v))
+)
+
+
+def test_int8_moments_in_a_state_node_its_paths_do_not_index():
+  # Finding sm3's signed nu walks the state by its paths: a node whose paths are flattened
+  # indices raised a KeyError inside init.
+  inner = optax.adam(1e-3)
+  tx = optax.GradientTransformation(
+    lambda p: _Box(opt=inner.init(p)),
+    lambda u, s, p=None: (lambda r: (r[0], _Box(opt=r[1])))(inner.update(u, s["opt"], p)),
+  )
+  state = oo.with_moment_dtype(tx, "int8").init({"w": jnp.ones((8, 64))})
+  assert state["opt"][0].nu["w"].codes.dtype == jnp.uint8
+
+
 @pytest.mark.parametrize(
   "name, update_on",
   [("adamw", "device"), ("sgd_momentum", "device"), ("lion", "device"), ("adamw", "host")],

@@ -414,13 +414,32 @@ def test_a_transformation_that_waits_is_checked_until_it_moves(params, caplog):
   waits = lambda k: optax.MultiSteps(  # noqa: E731
     optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), k
   ).gradient_transformation()
-  with pytest.raises(ValueError, match=r"not separable"):
-    oo.offload(waits(4)).init(params)
+  for k in (4, 32):  # (32: the check runs 256 steps where no update moved in 16)
+    with pytest.raises(ValueError, match=r"not separable"):
+      oo.offload(waits(k)).init(params)
   with caplog.at_level("INFO"):  # longer than the check: not checked, nothing split, a warning
-    oo.offload(waits(32), window_bytes=SMALL_WINDOW, min_size=16).init(params)
-  assert "did not move in the 16 steps" in caplog.text, caplog.text
+    oo.offload(waits(300), window_bytes=SMALL_WINDOW, min_size=16).init(params)
+  assert "did not move in the 256 steps" in caplog.text, caplog.text
   assert "MultiSteps around offload" in caplog.text
   assert "][0:" not in caplog.text, caplog.text  # (no row slices)
+
+
+def test_a_stacks_rules_that_wait_are_compared_over_as_many_steps():
+  # value_and_update compares a stack's rules on a tuple of its leaves with those at their paths;
+  # over the first 3 steps, where MultiSteps' updates are 0, weight decay masked off by path did
+  # not show.
+  from optax_offload._src import separable
+
+  params = {"layers": {"w": jnp.ones((4, 8, 8)), "b": jnp.ones((4, 8))}, "head": jnp.ones((8, 8))}
+  by_path = functools.partial(
+    jax.tree_util.tree_map_with_path, lambda q, _: "layers" in jax.tree_util.keystr(q)
+  )
+  avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+  inner = optax.with_extra_args_support(
+    optax.MultiSteps(optax.adamw(1e-2, weight_decay=0.1, mask=by_path), 4).gradient_transformation()
+  )
+  same = separable.rules_on_a_tuple(inner, jax.tree.structure(params), avals, [1, 2])
+  assert same == [False, False]
 
 
 def _momentum(scale_of):
@@ -818,6 +837,23 @@ _PATH_RULES = {
     False,
     ["b"],
   ),
+  # A mask given as a pytree is probed at the params' paths; the rules were compared over the
+  # probes' first 3 steps, where two rules that both wait look alike: 'w' took 'b's verdict.
+  "multi_steps_4_pytree_mask": (
+    lambda: optax.MultiSteps(
+      optax.lars(1e-2, trust_ratio_mask={"w": True, "b": False}), 4
+    ).gradient_transformation(),
+    False,
+    ["b"],
+  ),
+  "lr_0_for_3_steps_pytree_mask": (
+    lambda: optax.lars(
+      optax.join_schedules([optax.constant_schedule(0.0), optax.constant_schedule(1e-2)], [3]),
+      trust_ratio_mask={"w": True, "b": False},
+    ),
+    False,
+    ["b"],
+  ),
   "multi_steps_4_adamw": (
     lambda: optax.MultiSteps(optax.adamw(1e-2), 4).gradient_transformation(),
     False,
@@ -917,6 +953,10 @@ def test_bfloat16_params_are_split_only_where_the_update_allows():
   avals[:] = [jax.ShapeDtypeStruct((256, 128), jnp.bfloat16) for _ in range(2)]
   assert splits(optax.lamb(optax.linear_schedule(0.0, 1e-3, 1000))) == [(0, 0)] * 2
   assert splits(optax.adamw(1e-6)) == [(256, 128)] * 2
+  # With a float32 master copy the master moved by far less than its value's tolerance there,
+  # and lamb was split in rows and columns: masters are compared by their moves now.
+  assert splits(optax.lamb(optax.linear_schedule(0.0, 1e-3, 1000)), jnp.float32) == [(0, 0)] * 2
+  assert splits(optax.adamw(1e-6), jnp.float32) == [(256, 128)] * 2
   avals[:] = [jax.ShapeDtypeStruct((512, 256), jnp.bfloat16) for _ in range(2)]
   # At a small learning rate the bfloat16 updates round to 0 in the probe's steps while the master
   # copy moves: still split (a probe in which nothing moves splits nothing).

@@ -292,13 +292,14 @@ def _slot_name(path: Any) -> str:
 
 def _parent(tree: Any, path: Any) -> Any:
   """The node of `tree` holding the subtree at `path` (None where a key does not index it)."""
-  for key in path[:-1]:
-    if hasattr(key, "name"):
-      tree = getattr(tree, key.name, None)
-    elif isinstance(tree, (dict, list, tuple)):
-      tree = tree[key.key if hasattr(key, "key") else key.idx]
-    else:
-      return None
+  try:
+    for key in path[:-1]:
+      if hasattr(key, "name"):
+        tree = getattr(tree, key.name)
+      else:
+        tree = tree[key.key if hasattr(key, "key") else key.idx]
+  except (AttributeError, KeyError, IndexError, TypeError):  # (a node its keys do not index)
+    return None
   return tree
 
 

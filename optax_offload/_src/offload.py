@@ -112,8 +112,9 @@ def offload(
       (else it is a group of its own). Default: 10% of the device's memory when the backend reports
       it, else 1 GiB.
     check_separable: at ``init``, check on a miniature of the parameter tree that ``inner`` does not
-      mix leaves over 16 steps, and refuse it otherwise (a warning where its updates do not move
-      in them: ``optax.MultiSteps`` of more micro-steps inside ``offload``).
+      mix leaves over 16 steps (256 where its updates wait longer), and refuse it otherwise (a
+      warning where they wait longer still: ``optax.MultiSteps`` of more micro-steps inside
+      ``offload``).
     nvme_options: `NvmeOptions` of the NVMe store (``prefetch_depth``, groups read ahead, default 1;
       ``write_depth``, groups written behind, default 1; ``chunk_bytes``, default 16 MiB), or a dict
       of them. Host RAM held by the tier: at most (prefetch_depth + write_depth + 2) x the largest

@@ -40,13 +40,20 @@ _GROUP_SCALES = (1e3, 1e1, 1e2)
 _STEPS = 16
 """Steps of the separability check, and of the split probes of a transformation whose update
 waits (``optax.MultiSteps`` inside `offload`, a learning rate of 0 at first): it is seen where it
-moves within them. A leaf whose update (or master copy) moves in none of them is not split, and a
-transformation whose updates all wait longer is not checked for separability (a warning)."""
+moves within them. A leaf whose update (or master copy) moves in none of them is not split."""
 _FEW_STEPS = 3
 """Steps of the split probes (and the rules, `_fingerprints`) of a transformation until one
 probe's update waits longer (`_horizon`)."""
-_SCALES = tuple(_GROUP_SCALES[t % len(_GROUP_SCALES)] for t in range(_STEPS))
-"""The first group's gradient scale at each probe step."""
+_LONGEST_CHECK = 256
+"""Steps of the separability check where no update moved in `_STEPS` (on miniatures: cheap); a
+transformation whose updates wait longer is not checked (a warning)."""
+
+
+def _scale(t: int) -> float:
+  """The first group's gradient scale at probe step t."""
+  return _GROUP_SCALES[t % len(_GROUP_SCALES)]
+
+
 _PARAM_SCALE = 8.0
 """The split probes' params in the first part are this many times the second part's."""
 
@@ -172,6 +179,7 @@ def splittable(
     return [int(a.shape[axis]) if k in known and known[k][0] else 0 for k, a in zip(keys, avals)]
   if on_a_tuple and not any(known[k][0] for k in asked):
     return [0] * len(keys)  # (no probe splits: lamb's; a leaf of another rule stays whole)
+  steps = _horizon(known)
   prints = _fingerprints(inner, treedef, avals)
   if prints is None:
     return [0] * len(keys)
@@ -191,6 +199,10 @@ def splittable(
   if reps:
     items = sorted({(j, n) for k, n in reps for j in _both_axes({k})}, key=repr)
     results, _ = _probe(inner, items, at=At(treedef, tuple(avals)))
+    if _horizon(known) != steps:
+      # (an update that waits: the rules again over as many steps, rules that both wait look
+      # alike over fewer)
+      return splittable(inner, avals, per_leaf, dims, min_size, axis, treedef)
     for (j, n), (v, _) in results.items():  # (one that failed: not split, not probed again)
       known.setdefault(("at", j), []).append((prints[n], v))
   return [
@@ -237,7 +249,7 @@ def _two_parts(
   params = rng.normal(size=shape) + 0.5
   params[part] *= _PARAM_SCALE
   grads = []
-  for scale in _SCALES[:steps]:
+  for scale in map(_scale, range(steps)):
     g = rng.normal(size=shape) * 1e-2
     g[part] *= 1e2 * scale
     grads.append(g.astype(dtype))
@@ -377,6 +389,11 @@ def rules_on_a_tuple(
         learned[asked] = jax.device_get(_compiled(program.trace(params, grads))(params, grads))
       except Exception:  # (the caller says what to do)
         return None
+    if steps < _STEPS and any(
+      n is not None and not np.any(np.asarray(x[0]) != 0) for n, x in zip(named, learned[asked])
+    ):  # (an update that waits: rules that both wait look alike over fewer steps)
+      learned[("steps",)] = _STEPS
+      return rules_on_a_tuple(inner, treedef, avals, leaves)
   if alike:  # (optax's own code picks no rule by path: `splittable`)
     return [True] * len(leaves)
   prints = _fingerprints(inner, treedef, avals)
@@ -389,6 +406,8 @@ def _alike(a, b, dtype) -> bool:
   """Whether two fingerprints (a leaf's updates and its state's moves) are of one rule: equal
   within the tolerance of each array's dtype (`dtype`'s for the updates)."""
   (updates, moves), (other_updates, other_moves) = a, b
+  if np.shape(updates) != np.shape(other_updates):  # (rules learned over other steps)
+    return False
   try:
     _compare("x", dtype, updates, other_updates)
     for x, y in zip(moves, other_moves, strict=True):
@@ -618,6 +637,7 @@ class _Probe:
             # (each state array at its own precision: a float32 master copy at float32's)
             own = np.asarray(a).dtype
             _compare("x", own if jnp.issubdtype(own, jnp.floating) else dtype, a, b)
+          _compare_master(state, split_state, self.treedef, params, i)
         result[item] = (True, None if prints is None else prints[i])
       except _NotSeparable:
         result[item] = (False, None if prints is None else prints[i])
@@ -677,13 +697,6 @@ def check_separable(
   rng = np.random.default_rng(0)
   groups = (tuple(range(0, n, 2)), tuple(range(1, n, 2)))
   params = [(rng.normal(size=_miniature(a.shape)) + 0.5).astype(a.dtype) for a in avals]
-  # (each leaf's gradients at every step, stacked)
-  grads = [
-    np.stack([rng.normal(size=p.shape) * (s if i % 2 == 0 else 1e-2) for s in _SCALES]).astype(
-      p.dtype
-    )
-    for i, p in enumerate(params)
-  ]
   treedef = layout.params_treedef
 
   @jax.jit
@@ -699,31 +712,41 @@ def check_separable(
     state = inner.init(params_tree)
     return _scan(step, (state, state), grads)
 
-  with jax.ensure_compile_time_eval():
-    try:
-      # Compiled, not op by op, in one program (see `_probe_program`).
-      out = jax.device_get(_compiled(joint_and_grouped.trace(params, grads))(params, grads))
-    except Exception as e:  # the probe is a best effort; the real update reports real errors
-      logger.warning(
-        "offload: could not check that the inner transformation is separable (%s: %s); "
-        "continuing without the check.",
-        type(e).__name__,
-        e,
-      )
-      return
-  joint, split, states = out
-  last = jax.tree.map(lambda x: x[-1], states)
-  if not any(_moved([joint[i]], last, treedef, params, i) for i in range(n)):
+  for steps in (_STEPS, _LONGEST_CHECK):  # (the longer only where no update moved in fewer)
+    # (each leaf's gradients at every step, stacked)
+    grads = [
+      np.stack(
+        [rng.normal(size=p.shape) * (1e-2 if i % 2 else _scale(t)) for t in range(steps)]
+      ).astype(p.dtype)
+      for i, p in enumerate(params)
+    ]
+    with jax.ensure_compile_time_eval():
+      try:
+        # Compiled, not op by op, in one program (see `_probe_program`).
+        out = jax.device_get(_compiled(joint_and_grouped.trace(params, grads))(params, grads))
+      except Exception as e:  # the probe is a best effort; the real update reports real errors
+        logger.warning(
+          "offload: could not check that the inner transformation is separable (%s: %s); "
+          "continuing without the check.",
+          type(e).__name__,
+          e,
+        )
+        return
+    joint, split, states = out
+    last = jax.tree.map(lambda x: x[-1], states)
+    if any(_moved([joint[i]], last, treedef, params, i) for i in range(n)):
+      break
+  else:
     logger.warning(
       "offload: the inner transformation's updates did not move in the %d steps of the check that "
       "it is separable (optax.MultiSteps of more micro-steps inside offload, or a learning rate "
       "of 0 at first?), so it is not checked, and no leaf is split in slices. Put "
       "optax.MultiSteps around offload: optax.MultiSteps(oo.offload(...), k), which "
       "oo.update_and_apply recognises.",
-      _STEPS,
+      _LONGEST_CHECK,
     )
     return
-  for t in range(_STEPS):
+  for t in range(steps):
     for i in range(n):
       _compare(paths[i], avals[i].dtype, joint[i][t], split[i][t])
   if alike:  # (by identity a pass may not hold: what the code reads may have changed)
@@ -732,6 +755,26 @@ def check_separable(
 
 class _NotSeparable(ValueError):
   pass
+
+
+def _compare_master(state, split_state, treedef, params: np.ndarray, i: int) -> None:
+  """Leaf i's master copies (`with_master_weights`), if any, compared by how far they moved from
+  the params, within a few of their own ulps: at a small learning rate a master moves by far less
+  than the relative tolerance of its value, and a rule over the whole leaf (lamb's trust ratio)
+  shows only in its moves."""
+  if not isinstance(state, master.MasterState):
+    return
+  a, b = (treedef.flatten_up_to(s.master)[i] for s in (state, split_state))
+  if a is None:
+    return
+  ulps = 4 * float(jnp.finfo(np.asarray(a).dtype).eps) * np.abs(np.asarray(a, np.float64))
+  _compare(
+    "x",
+    np.asarray(a).dtype,
+    np.asarray(a, np.float64) - params,
+    np.asarray(b, np.float64) - params,
+    atol=ulps,
+  )
 
 
 def _compare(path: str, dtype, joint: jax.Array, split: jax.Array, atol: float = 0.0) -> None:
