@@ -15,8 +15,8 @@ elements along the last axis). A value is divided by its block's scale and repla
 of the nearest map value (ties to the lower index); it reads back as ``map[code] * scale``. The
 maps are bitsandbytes' `create_dynamic_map` (7 decades from 1e-7 to 1, linearly spaced within
 each; computed here in float64 and rounded to fp32 once): the unsigned one for moments that are
-never negative (slots named in `UNSIGNED_SLOTS`: Adam's ``nu``, ...; not sm3's), the signed one for the
-others. Blocks run along the last axis (bitsandbytes' along the flattened array) so that a row
+never negative (slots named in `UNSIGNED_SLOTS`: Adam's ``nu``, ...; not sm3's), the signed one
+for the others. Blocks run along the last axis (bitsandbytes' along the flattened array) so that a row
 slice of a moment (the plan's row slices, a stacked layer) holds whole blocks and its scales.
 """
 

@@ -127,9 +127,10 @@ def splittable(
   (row slices and row chunks). Axis 1: updating it in two column chunks (which `update_and_apply`
   applies to the params in place) equals updating it whole. A probe checks this on a small leaf
   with the same trailing axes (cut to 256) and very different param and gradient scales in the
-  two parts, over a few steps; the large state arrays must share the split axes with the param. Elementwise
-  optimizers qualify; lamb and lars (trust ratio over the leaf) do not, nor adafactor's factored
-  moments along the factored axes (stacked 3-D leaves split along axis 0 qualify).
+  two parts, over a few steps; the large state arrays must share the split axes with the param.
+  Elementwise optimizers qualify; lamb and lars (trust ratio over the leaf) do not, nor
+  adafactor's factored moments along the factored axes (stacked 3-D leaves split along axis 0
+  qualify).
 
   The probes run on a tree of their own, a tuple, whose paths are not the params': with the
   params' `treedef` (``avals`` then being all its leaves), each leaf's rule is compared with its
