@@ -986,6 +986,26 @@ def test_a_master_copy_is_compared_over_the_leaf_not_element_by_element():
   assert [leaf.rows for leaf in tree.leaves] == [1000, 4, 4]
 
 
+def test_master_copies_compared_over_the_leaf_keep_their_non_finite_values_apart():
+  # (a norm over the leaf would hide a NaN or an infinity in one master copy only)
+  from optax_offload._src import master
+  from optax_offload._src import separable
+
+  def alike(a, b):
+    state = [master.MasterState([np.asarray(x, np.float32)], None) for x in (a, b)]
+    try:
+      separable._compare_master(*state, jax.tree.structure([0]), np.ones(4), 0)
+      return True
+    except separable._NotSeparable:
+      return False
+
+  inf, nan = np.inf, np.nan
+  assert alike([1.5, nan, 1, 1], [1.5, nan, 1, 1]) and alike([1.5, inf, 1, 1], [1.5, inf, 1, 1])
+  assert not alike([1.5, 1, 1, 1], [1.5, nan, 1, 1])
+  assert not alike([1.5, inf, 1, 1], [1.5, -inf, 1, 1])
+  assert not alike([1.5, 1.5, 1, 1], [1.5, 1.75, 1, 1])
+
+
 def test_a_split_probes_values_do_not_depend_on_the_keys_probed_beside_it():
   from optax_offload._src import separable
 

@@ -772,7 +772,15 @@ def _compare_master(state, split_state, treedef, params: np.ndarray, i: int) -> 
     return
   moves = np.asarray(a, np.float64) - params
   other = np.asarray(b, np.float64) - params
-  ulps = 4 * float(jnp.finfo(np.asarray(a).dtype).eps) * np.abs(np.asarray(a, np.float64))
+  finite = np.isfinite(moves)
+  if not (  # (a norm would hide them)
+    np.array_equal(finite, np.isfinite(other))
+    and np.array_equal(moves[~finite], other[~finite], equal_nan=True)
+  ):
+    raise _NotSeparable("the master copies are not finite alike")
+  moves, other = (np.where(finite, x, 0.0) for x in (moves, other))
+  value = np.nan_to_num(np.asarray(a, np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+  ulps = 4 * float(jnp.finfo(np.asarray(a).dtype).eps) * np.abs(value)
   if np.linalg.norm(moves - other) > 1e-3 * np.linalg.norm(moves) + np.linalg.norm(ulps):
     raise _NotSeparable("the master copies moved apart")
 
