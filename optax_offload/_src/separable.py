@@ -319,10 +319,12 @@ def _moved(updates, last_state, treedef, params, i: int) -> bool:
   )
 
 
-def _fingerprints(inner, treedef, avals: Sequence[jax.ShapeDtypeStruct]) -> list | None:
+def _fingerprints(
+  inner, treedef, avals: Sequence[jax.ShapeDtypeStruct], warn: bool = True
+) -> list | None:
   """Per leaf of `treedef`, its rule: its updates at its own path over a few steps from its
   `_canonical` values (None for leaves that are not floating arrays of a rank >= 1; None for all
-  when `inner` cannot run them: a warning, and nothing is split).
+  when `inner` cannot run them: a warning with `warn`, and nothing is split).
 
   Leaves of one dtype and trailing shape get the same values, so that two of them, or one and a
   split probe's leaf (`_Probe`), updated alike by a few steps, have one rule: what `offload` can
@@ -341,18 +343,17 @@ def _fingerprints(inner, treedef, avals: Sequence[jax.ShapeDtypeStruct]) -> list
       params[n], mine = _canonical(*name, steps)
       for step, g in zip(grads, mine):
         step[n] = g
-  with jax.ensure_compile_time_eval():
-    try:
-      program = jax.jit(lambda p, g: _steps(inner, treedef, p, g))
-      out = jax.device_get(_compiled(program.trace(params, grads))(params, grads))
-    except Exception as e:  # a best effort: what cannot be checked is not split
+  try:
+    out = _run(lambda p, g: _steps(inner, treedef, p, g), params, grads)
+  except Exception as e:  # a best effort: what cannot be checked is not split
+    if warn:
       logger.warning(
         "offload: could not compare each leaf's update rule with its split probe's (%s: %s); no "
         "leaf is split in slices (slower streaming, same results).",
         type(e).__name__,
         e,
       )
-      return None
+    return None
   learned[asked] = [None if name is None else x for name, x in zip(named, out)]
   return learned[asked]
 
@@ -371,36 +372,23 @@ def rules_on_a_tuple(
   path (`_fingerprints`); None when `inner` cannot run on such a tuple (a mask or labels given as
   a pytree). `value_and_update` updates a layer stack's leaves as a tuple of their own.
   """
-  named = [_named(avals[i]) for i in leaves]
   learned, alike = _learned(inner)
   steps = _horizon(learned)
-  asked = ("on a tuple", tuple(named), steps)
-  if asked not in learned:
-    values = [
-      _canonical(*n, steps) if n is not None else _miniatures([avals[i]])
-      for n, i in zip(named, leaves)
-    ]
-    params = [p if n is not None else p[0] for n, (p, _) in zip(named, values)]
-    grads = [
-      [g[t] if n is not None else g[0] for n, (_, g) in zip(named, values)] for t in range(steps)
-    ]
-    with jax.ensure_compile_time_eval():
-      try:
-        program = jax.jit(lambda p, g: _steps(inner, jax.tree.structure((0,) * len(p)), p, g))
-        learned[asked] = jax.device_get(_compiled(program.trace(params, grads))(params, grads))
-      except Exception:  # (the caller says what to do)
-        return None
-    if steps < _STEPS and any(
-      n is not None and not np.any(np.asarray(x[0]) != 0) for n, x in zip(named, learned[asked])
-    ):  # (an update that waits: rules that both wait look alike over fewer steps)
-      learned[("steps",)] = _STEPS
-      return rules_on_a_tuple(inner, treedef, avals, leaves)
+  mine = _fingerprints(
+    inner, jax.tree.structure((0,) * len(leaves)), [avals[i] for i in leaves], warn=False
+  )
+  if mine is None:  # (the caller says what to do)
+    return None
+  if steps < _STEPS and any(x is not None and not np.any(np.asarray(x[0]) != 0) for x in mine):
+    # (an update that waits: rules that both wait look alike over fewer steps)
+    learned[("steps",)] = _STEPS
+    return rules_on_a_tuple(inner, treedef, avals, leaves)
   if alike:  # (optax's own code picks no rule by path: `splittable`)
     return [True] * len(leaves)
   prints = _fingerprints(inner, treedef, avals)
   if prints is None:
     return None
-  return [n is None or _alike(prints[i], x, n[0]) for n, i, x in zip(named, leaves, learned[asked])]
+  return [x is None or _alike(prints[i], x, avals[i].dtype) for i, x in zip(leaves, mine)]
 
 
 def _alike(a, b, dtype) -> bool:
@@ -433,13 +421,21 @@ def _compiled(traced):
   return traced.lower().compile(compiler_options=_PROBE_COMPILER_OPTIONS)
 
 
+def _run(fn, *args):
+  """`fn` on `args` as one probe program, traced, `_compiled` and run; its results in numpy.
+  Compiled, not op by op, and one program for all: eager ops compile one small program each, per
+  shape (for a 13B Llama's leaves, 5 s of the first compile's trace), and each program ~0.3 s."""
+  with jax.ensure_compile_time_eval():
+    return jax.device_get(_compiled(jax.jit(fn).trace(*args))(*args))
+
+
 _LEARNED: collections.OrderedDict[str, tuple[list, dict]] = collections.OrderedDict()
 """What the probes found of the last `_LEARNED_KEPT` transformations probed, by `closure_key` (a
 transformation built again alike, e.g. ``optax.adamw(1e-2)`` in a new `offload`, is not traced,
 compiled nor run again): (the objects its key names by identity, the verdicts: a split key's
 (verdict, fingerprint) on a tuple tree, ``("no tuple", key)`` where that probe failed, ``("at",
 key)``: (fingerprint, verdict) pairs probed at the params' paths, ``("fingerprints", treedef,
-names, steps)`` and ``("on a tuple", names, steps)``: the leaves' rules (`_fingerprints`,
+names, steps)``: the leaves' rules (`_fingerprints`, of the params' tree or of a stack's tuple:
 `rules_on_a_tuple`), ``("steps",)``: the probes' steps where its update waits (`_horizon`), and
 ``("separable", treedef, miniature)`` for a passed `check_separable`)."""
 _LEARNED_KEPT = 16
@@ -653,13 +649,8 @@ def _probe_program(inner, items: Sequence, at: At | None = None, steps: int = _F
     for axis in (0, 1)
     if any(axis_of(i) == axis for i in items)
   ]
-  with jax.ensure_compile_time_eval():
-    # Compiled, not op by op, and one program for all: eager ops compile one small program each,
-    # per shape (for a 13B Llama's leaves, 5 s of the first compile's trace), and each program
-    # ~0.3 s.
-    args = [(p.params, p.grads, p.canonical) for p in probes]
-    program = jax.jit(lambda args: [p.run(inner, *a) for p, a in zip(probes, args)])
-    outs = jax.device_get(_compiled(program.trace(args))(args))
+  args = [(p.params, p.grads, p.canonical) for p in probes]
+  outs = _run(lambda args: [p.run(inner, *a) for p, a in zip(probes, args)], args)
   result = {}
   for p, out in zip(probes, outs):
     result.update(p.check(out))
@@ -700,7 +691,6 @@ def check_separable(
   params = [(rng.normal(size=_miniature(a.shape)) + 0.5).astype(a.dtype) for a in avals]
   treedef = layout.params_treedef
 
-  @jax.jit
   def joint_and_grouped(params, grads):
     params_tree = treedef.unflatten(params)
 
@@ -721,18 +711,16 @@ def check_separable(
       ).astype(p.dtype)
       for i, p in enumerate(params)
     ]
-    with jax.ensure_compile_time_eval():
-      try:
-        # Compiled, not op by op, in one program (see `_probe_program`).
-        out = jax.device_get(_compiled(joint_and_grouped.trace(params, grads))(params, grads))
-      except Exception as e:  # the probe is a best effort; the real update reports real errors
-        logger.warning(
-          "offload: could not check that the inner transformation is separable (%s: %s); "
-          "continuing without the check.",
-          type(e).__name__,
-          e,
-        )
-        return
+    try:
+      out = _run(joint_and_grouped, params, grads)
+    except Exception as e:  # the probe is a best effort; the real update reports real errors
+      logger.warning(
+        "offload: could not check that the inner transformation is separable (%s: %s); "
+        "continuing without the check.",
+        type(e).__name__,
+        e,
+      )
+      return
     joint, split, states = out
     last = jax.tree.map(lambda x: x[-1], states)
     if any(_moved([joint[i]], last, treedef, params, i) for i in range(n)):
