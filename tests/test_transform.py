@@ -248,6 +248,42 @@ def test_multi_transform_with_offloaded_branch():
   _compare_setups(plain, off)
 
 
+_FROZEN = {"embed": True, "dense": {"kernel": True, "bias": False}, "conv": True, "big": True,
+           "scale": False}  # fmt: skip
+_RULES_AS_PYTREES = {
+  # A mask or labels given as a pytree (not a function of the updates) mark the masked-out leaves
+  # with optax.MaskedNode in the updates of every group, in the group or not, while a group's
+  # state held None at the other leaves: every update of several groups raised a pytree structure
+  # error (a callable mask or labels see None there, and passed).
+  "masked": lambda: optax.masked(optax.adam(1e-2), _FROZEN),
+  "frozen_by_labels": lambda: optax.multi_transform(
+    {"train": optax.adamw(1e-2), "freeze": optax.set_to_zero()},
+    jax.tree.map(lambda t: "train" if t else "freeze", _FROZEN),
+  ),
+  "two_rules_by_labels": lambda: optax.multi_transform(
+    {"train": optax.adam(1e-2), "other": optax.sgd(1e-2, momentum=0.9)},
+    jax.tree.map(lambda t: "train" if t else "other", _FROZEN),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", _RULES_AS_PYTREES)
+def test_a_mask_or_labels_given_as_a_pytree_work_in_several_groups(name, tmp_path):
+  make, params = _RULES_AS_PYTREES[name], make_params()
+  want = train(make(), params, 4)
+  nvme = {"host_limit": 0, "nvme_dir": str(tmp_path / "nvme")}
+  for options, apply in (({}, False), ({}, True), (nvme, False)):
+    got = train(oo.offload(make(), window_bytes=SMALL_WINDOW, **options), params, 4, apply=apply)
+    assert_close(want[0], got[0])
+    assert_close(want[1], oo.to_inner(got[1], memory_kind="device"))
+    oo.close_nvme(got[1])
+  # 8-bit moments and a float32 master copy of the bfloat16 leaf: as in one group.
+  options = {"moment_dtype": "int8", "master_dtype": jnp.float32}
+  want = train(oo.offload(make(), window_bytes="1GiB", **options), params, 4, apply=True)[0]
+  got = train(oo.offload(make(), window_bytes=SMALL_WINDOW, **options), params, 4, apply=True)[0]
+  assert_close(want, got)
+
+
 def test_tree_map_params_over_the_state(params):
   tx = oo.offload(optax.adam(1e-2))
   state = tx.init(params)

@@ -341,10 +341,11 @@ def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: A
 
     def one(p, x):
       x_leaves, x_def = jax.tree.flatten(x)
-      (p_leaf,) = jax.tree.leaves(p)
-      if len(x_leaves) != 1:  # (not one array a param: sm3's accumulators, one per axis)
+      p_leaves = jax.tree.leaves(p)
+      # (not one array a param: sm3's accumulators, one per axis; none: a leaf outside a group)
+      if len(x_leaves) != 1 or len(p_leaves) != 1:
         return x
-      (x_leaf,) = x_leaves
+      (p_leaf,), (x_leaf,) = p_leaves, x_leaves
       if not quantizes(jnp.shape(x_leaf)) or not is_moment(x_leaf, p_leaf, INT8):
         return x
       # The barrier keeps XLA from constant-folding the quantization of the initial zeros inside a
@@ -352,7 +353,8 @@ def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: A
       q = quantize(jax.lax.optimization_barrier(x_leaf), signed)
       return QuantizedMoment(x_def.unflatten([q.codes]), x_def.unflatten([q.scales]))
 
-    return jax.tree.map(one, params, value, is_leaf=_is_wrapper)
+    # (None is a leaf of `params`: a leaf outside a group, `StateLayout.skeletons`)
+    return jax.tree.map(one, params, value, is_leaf=lambda x: x is None or _is_wrapper(x))
 
   return jax.tree_util.tree_map_with_path(
     per_slot, template, state, is_leaf=layout_lib.is_placeholder

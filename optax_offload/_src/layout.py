@@ -110,11 +110,19 @@ class StateLayout:
   def view(
     self, shared: Sequence[Any], per_leaf: Mapping[int, PerLeaf], group: Sequence[int]
   ) -> optax.OptState:
-    """The state the inner transformation sees for a group: `None` at the other leaves."""
+    """The state the inner transformation sees for a group: `None` at the other leaves.
+
+    `per_leaf` holds the group's parts, and may hold other leaves' parts without arrays
+    (`skeletons`), which the view keeps.
+    """
     parts = list(shared)
+    members = set(group)
     for s, j in enumerate(self._param_slots):
       slot = [per_leaf[i][s] if i in per_leaf else None for i in range(self.num_leaves)]
-      parts[j] = self.masked(slot, group)
+      for i, x in enumerate(slot):
+        if x is not None and i not in members and jax.tree.leaves(x):
+          raise ValueError(f"view: leaf {i} is not in the group, but its part holds arrays")
+      parts[j] = self.params_treedef.unflatten(slot)
     return self._treedef.unflatten(parts)
 
   def unview(
@@ -133,6 +141,28 @@ class StateLayout:
       [x if i in members else None for i, x in enumerate(leaves)]
     )
 
+  def skeletons(self, inner: optax.GradientTransformation) -> list[PerLeaf]:
+    """Each leaf's part, without arrays, that a group's state holds where the leaf is not in the
+    group: what ``inner.init`` puts there for a tree of no arrays (`masked`'s `None` at every
+    leaf). That is `None`, or the `optax.MaskedNode` of a leaf that a mask or labels given as a
+    pytree mask out: `optax.masked` puts one in its updates at every such leaf, in the group or
+    not, and its inner state must hold one there too (a mask computed from the updates sees
+    `None` there, and leaves `None`).
+
+    >>> params = {"w": jax.numpy.ones(2), "b": jax.numpy.ones(2)}
+    >>> tx = optax.masked(optax.adam(1.0), {"w": True, "b": False})
+    >>> StateLayout(tx, jax.tree.structure(params)).skeletons(tx)  # b, w: mu and nu
+    [(MaskedNode(), MaskedNode()), (None, None)]
+    """
+    none = [(None,) * self.num_param_slots] * self.num_leaves
+    try:
+      per_leaf = self.split(jax.eval_shape(inner.init, self.masked(none, [])))[1]
+    except Exception:  # an init that needs arrays: no masked leaves it could mark
+      return none
+    return per_leaf if not jax.tree.leaves(per_leaf) else none
+
   def group_leaves(self, tree: Any, group: Sequence[int]) -> list[Any]:
-    """The group's leaves of a tree returned by `masked`-structured computations, in group order."""
-    return jax.tree.structure(self.masked([0] * self.num_leaves, group)).flatten_up_to(tree)
+    """The group's leaves of a tree returned by `masked`- or `view`-structured computations, in
+    group order."""
+    leaves = self.params_treedef.flatten_up_to(tree)
+    return [leaves[i] for i in group]

@@ -488,10 +488,14 @@ def _probe_steps(inner, items: Sequence, at: At | None, warn: bool, steps: int) 
   except Exception as e:  # a best effort: find the items that fail
     if len(items) == 1:  # do not split what the probe cannot check
       if warn:
+        key = items[0] if at is None else items[0][0]
         logger.warning(
-          "offload: the split probe of %s failed (%s: %s); such leaves stay whole (slower "
-          "streaming, same results).",
-          items[0],
+          "offload: the probe that splits %s leaves of trailing axes %s (at most %d) in %s failed "
+          "(%s: %s); such leaves stay whole (slower streaming, same results).",
+          key[0],
+          key[1],
+          _PROBE_CAP,
+          "columns" if key[3] else "rows",
           type(e).__name__,
           e,
         )
