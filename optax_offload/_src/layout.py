@@ -63,6 +63,8 @@ class StateLayout:
         f"optax's params placeholder: {type(e).__name__}: {e}). Transformations whose state is not "
         "a tree of per-parameter parts plus shared leaves cannot be offloaded."
       ) from e
+    self._inner = inner
+    self._skeletons: dict[Any, list[PerLeaf]] = {}  # by params' tree structure
     slots, self._treedef = jax.tree.flatten(template, is_leaf=is_placeholder)
     self._param_slots = tuple(j for j, v in enumerate(slots) if is_placeholder(v))
     self._num_slots = len(slots)
@@ -110,18 +112,12 @@ class StateLayout:
   def view(
     self, shared: Sequence[Any], per_leaf: Mapping[int, PerLeaf], group: Sequence[int]
   ) -> optax.OptState:
-    """The state the inner transformation sees for a group: `None` at the other leaves.
-
-    `per_leaf` holds the group's parts, and may hold other leaves' parts without arrays
-    (`skeletons`), which the view keeps.
-    """
-    parts = list(shared)
-    members = set(group)
+    """The state the inner transformation sees for a group: the group's parts (`per_leaf`), and
+    their `skeletons` (no arrays) at the other leaves."""
+    parts, members = list(shared), set(group)
+    skeletons = self.skeletons() if len(members) < self.num_leaves else None
     for s, j in enumerate(self._param_slots):
-      slot = [per_leaf[i][s] if i in per_leaf else None for i in range(self.num_leaves)]
-      for i, x in enumerate(slot):
-        if x is not None and i not in members and jax.tree.leaves(x):
-          raise ValueError(f"view: leaf {i} is not in the group, but its part holds arrays")
+      slot = [per_leaf[i][s] if i in members else skeletons[i][s] for i in range(self.num_leaves)]
       parts[j] = self.params_treedef.unflatten(slot)
     return self._treedef.unflatten(parts)
 
@@ -141,7 +137,7 @@ class StateLayout:
       [x if i in members else None for i, x in enumerate(leaves)]
     )
 
-  def skeletons(self, inner: optax.GradientTransformation) -> list[PerLeaf]:
+  def skeletons(self) -> list[PerLeaf]:
     """Each leaf's part, without arrays, that a group's state holds where the leaf is not in the
     group: what ``inner.init`` puts there for a tree of no arrays (`masked`'s `None` at every
     leaf). That is `None`, or the `optax.MaskedNode` of a leaf that a mask or labels given as a
@@ -151,15 +147,17 @@ class StateLayout:
 
     >>> params = {"w": jax.numpy.ones(2), "b": jax.numpy.ones(2)}
     >>> tx = optax.masked(optax.adam(1.0), {"w": True, "b": False})
-    >>> StateLayout(tx, jax.tree.structure(params)).skeletons(tx)  # b, w: mu and nu
+    >>> StateLayout(tx, jax.tree.structure(params)).skeletons()  # b, w: mu and nu
     [(MaskedNode(), MaskedNode()), (None, None)]
     """
-    none = [(None,) * self.num_param_slots] * self.num_leaves
-    try:
-      per_leaf = self.split(jax.eval_shape(inner.init, self.masked(none, [])))[1]
-    except Exception:  # an init that needs arrays: no masked leaves it could mark
-      return none
-    return per_leaf if not jax.tree.leaves(per_leaf) else none
+    if self.params_treedef not in self._skeletons:
+      none = [(None,) * self.num_param_slots] * self.num_leaves
+      try:
+        per_leaf = self.split(jax.eval_shape(self._inner.init, self.masked(none, [])))[1]
+      except Exception:  # an init that needs arrays: no masked leaves it could mark
+        per_leaf = none
+      self._skeletons[self.params_treedef] = none if jax.tree.leaves(per_leaf) else per_leaf
+    return self._skeletons[self.params_treedef]
 
   def group_leaves(self, tree: Any, group: Sequence[int]) -> list[Any]:
     """The group's leaves of a tree returned by `masked`- or `view`-structured computations, in

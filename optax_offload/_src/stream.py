@@ -237,8 +237,6 @@ class _Run:
     self.grads, self.params, self.shared_in = grads, params, shared
     self.arrays: dict[Key, Any] = dict(arrays)
     self.treedefs, self.n_rows, self.extra_args = treedefs, n_rows, extra_args
-    # (each leaf's part without arrays, which a group's view holds at the other leaves)
-    self.skeletons = dict(enumerate(layout.skeletons(inner)))
     self.apply = apply
     # With tx.update on the device window (`run`): leaf -> whether its pieces' updates are
     # computed in the spec's chunks too (`chunks`); None: one chunk a piece.
@@ -458,7 +456,7 @@ class _Run:
     n_leaves = self.layout.num_leaves
     u, s = _inner_update(self.inner)(
       self.layout.masked([grads.get(i) for i in range(n_leaves)], group),
-      self.layout.view(self.shared_in, {**self.skeletons, **parts}, group),
+      self.layout.view(self.shared_in, parts, group),
       None
       if self.params is None
       else self.layout.masked([params.get(i) for i in range(n_leaves)], group),
