@@ -32,6 +32,10 @@ Figures (JSON), per size and for the ``--state-gb`` size as the headline:
   the rest being the update's and JAX's (its callbacks copy each fetched group into XLA's buffers
   and each put group out of them); ``tier_read_GBps`` / ``tier_write_GBps``: bytes the store read
   or wrote / the time its reads or writes took (they overlap each other and the update);
+* ``disk_busy_over_step``: the part of the step during which the store had a read, write or commit
+  under way (its ``disk_busy_ns``); near 1, the step waits for the disk, not for the CPU, and
+  ``tier_busy_GBps`` is what its reads and writes, overlapped, moved together meanwhile (the I/O
+  bound assumes the raw disk's rates, reading then writing);
 * ``moved_over_raw`` = (NVMe state bytes read + written, nominally 2 x NVMe bytes) per second / the raw
   bandwidth of that read/write mix (target >= 0.85);
 * ``rss_over_bound`` = peak RSS during the NVMe steps / (host_limit + params + grads + the tier's
@@ -211,6 +215,12 @@ def _timed_rep(t: _Tier, cache: str) -> dict:
     # None with a store that does not time its reads and writes (to run this against older ones).
     "tier_read_GBps": _rate(stats["bytes_read"], stats.get("read_ns")),
     "tier_write_GBps": _rate(stats["bytes_written"], stats.get("write_ns")),
+    # The disk at work (a read, write or commit under way) / the step: near 1, the step waits for
+    # the disk, and the tier's reads and writes together move `tier_busy_GBps` while it works.
+    "disk_busy_over_step": stats.get("disk_busy_ns", 0) / 1e9 / rec["step_s"] or None,
+    "tier_busy_GBps": _rate(
+      stats["bytes_read"] + stats["bytes_written"], stats.get("disk_busy_ns")
+    ),
     "stats": stats,
   }
 
@@ -416,6 +426,8 @@ def _result(
     "store_cpu_s_per_gb_moved": med("store_cpu_s_per_gb_moved"),
     "tier_read_GBps": med("tier_read_GBps"),
     "tier_write_GBps": med("tier_write_GBps"),
+    "disk_busy_over_step": med("disk_busy_over_step"),
+    "tier_busy_GBps": med("tier_busy_GBps"),
     "step_over_io_bound": med("step_over_io_bound"),
     "moved_over_raw": med("moved_over_raw"),
     "warm_cache_step_s": warm,
@@ -489,6 +501,13 @@ def _print_size(r: dict) -> None:
     f"{_fmt(r['tier_read_GBps'])} GB/s and wrote {_fmt(r['tier_write_GBps'])} GB/s while busy; "
     f"the store's threads {r['store_cpu_s_per_gb_moved']:.2f} s"
   )
+  if r.get("disk_busy_over_step"):
+    serial = (r["reps"][0]["moved_gb"]) / r["io_lower_bound_s"]
+    print(
+      f"  the disk worked {r['disk_busy_over_step']:.2f} of the step (a read, write or commit under "
+      f"way); reads and writes together moved {r['tier_busy_GBps']:.2f} GB/s while it did (the raw "
+      f"disk, reading then writing: {serial:.2f} GB/s)"
+    )
   for i, so in enumerate(r.get("store_only", [])):
     print(
       f"  store alone {i}: write {so['write_GBps']:.2f} GB/s ({so['write_over_raw']:.2f} of raw "

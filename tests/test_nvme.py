@@ -359,12 +359,14 @@ def test_cyclic_protocol_matches_numpy(tmp_path, prefetch_depth, write_depth):
     write_depth=write_depth,
     chunk_bytes=_CHUNK,
   )
+  start = time.perf_counter_ns()
   store.write_initial(0, values)
   reference = _run_protocol(store, _GROUPS, dict(values), start=0, steps=5)
   store.sync()
+  stats = store.stats
+  elapsed = time.perf_counter_ns() - start  # (after the stats: a prefetch may still be reading)
   assert store.committed_generation == 5
   _assert_bit_equal(store.read_generation(), reference)
-  stats = store.stats
   assert stats["fetches"] == 5 * len(_GROUPS)
   assert stats["prefetch_hits"] + stats["buffer_hits"] + stats["misses"] == stats["fetches"]
   if prefetch_depth:
@@ -372,6 +374,9 @@ def test_cyclic_protocol_matches_numpy(tmp_path, prefetch_depth, write_depth):
   else:
     assert stats["prefetch_hits"] == 0
   assert 0 < stats["peak_buffer_bytes"] <= store.host_buffer_bound
+  # The disk's busy time holds every write (one writer thread, its writes timed inside it), and
+  # no more than the whole run.
+  assert stats["write_ns"] <= stats["disk_busy_ns"] <= elapsed, stats
   max_group = max(sum(s.nbytes for s in g) for g in _GROUPS)
   # Read buffers hold a leaf plus room for its last chunk's padding, page-rounded; writes go
   # through one staging buffer per I/O thread, as large as the largest chunk file (page-rounded).

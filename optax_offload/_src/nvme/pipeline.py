@@ -17,6 +17,7 @@ one queue; their loops and the hand-offs between them read best side by side.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -59,9 +60,12 @@ STAT_KEYS = (
   "commit_ns",
   "bytes_written_zero_copy",
   "leaves_reused",
+  "disk_busy_ns",
 )
 """``read_ns``, ``write_ns`` and ``commit_ns``: wall nanoseconds spent reading groups (fetches and
 prefetches), writing groups and committing generations; bytes over them is the data path's speed.
+``disk_busy_ns``: wall nanoseconds with at least one of them under way (they overlap): over a step,
+how much of it the disk was working; bytes read and written over it, their rate together.
 ``bytes_written_zero_copy``: chunk bytes written straight from the put arrays (`chunk_io`).
 ``leaves_reused``: leaves written over the files of a dropped generation (`files.Spares`)."""
 
@@ -149,6 +153,7 @@ class Pipeline:
     self._prefetch_failed: set[Key] = set()
     self._reading: Key | None = None
     self._readers: collections.Counter[Key] = collections.Counter()
+    self._on_disk, self._on_disk_since = 0, 0  # reads, writes and commits under way; since when
     self.error: BaseException | None = None
     self._error_reported = True
     self._stop = False
@@ -453,10 +458,26 @@ class Pipeline:
     """Reads one group into leased buffers (for `fetch` and the prefetcher)."""
     return self._read(generation, self.leaves[group], take=self.read_buffers.take)
 
+  @contextlib.contextmanager
+  def _disk_busy(self):
+    """Counts the wall time while this or another read, write or commit is under way."""
+    with self.cond:
+      if not self._on_disk:
+        self._on_disk_since = time.perf_counter_ns()
+      self._on_disk += 1
+    try:
+      yield
+    finally:
+      with self.cond:
+        self._on_disk -= 1
+        if not self._on_disk:
+          self.stats["disk_busy_ns"] += time.perf_counter_ns() - self._on_disk_since
+
   def _read(self, generation: int, leaves, take) -> list[np.ndarray]:
     start = time.perf_counter_ns()
     path = self.generation_path(generation)
-    arrays = leaf_io.read_leaves(self.io, self._context, path, leaves, take)
+    with self._disk_busy():
+      arrays = leaf_io.read_leaves(self.io, self._context, path, leaves, take)
     with self.cond:
       self.stats["bytes_read"] += sum(a.nbytes for a in arrays)
       self.stats["read_ns"] += time.perf_counter_ns() - start
@@ -464,18 +485,21 @@ class Pipeline:
 
   def write_group(self, op: _Write) -> None:
     """Writes one queued group (the writer thread's work; tests replace it to slow the writer)."""
-    start, zero_copy, reused = time.perf_counter_ns(), self.io.zero_copy_bytes, self.spares.reused
-    leaf_io.write_leaves(
-      self.io,
-      self.generation_path(op.generation),
-      self.leaves[op.group],
-      op.arrays,
-      self.bytes_per_generation(),
-      reuse=self.spares.take,
-    )
+    zero_copy, reused = self.io.zero_copy_bytes, self.spares.reused
+    with self._disk_busy():
+      start = time.perf_counter_ns()
+      leaf_io.write_leaves(
+        self.io,
+        self.generation_path(op.generation),
+        self.leaves[op.group],
+        op.arrays,
+        self.bytes_per_generation(),
+        reuse=self.spares.take,
+      )
+      took = time.perf_counter_ns() - start
     with self.cond:
       self.stats["bytes_written"] += sum(a.nbytes for a in op.arrays)
-      self.stats["write_ns"] += time.perf_counter_ns() - start
+      self.stats["write_ns"] += took
       self.stats["bytes_written_zero_copy"] += self.io.zero_copy_bytes - zero_copy
       self.stats["leaves_reused"] += self.spares.reused - reused
 
@@ -488,8 +512,9 @@ class Pipeline:
   def _commit(self, generation: int, parent: int | None) -> None:
     start = time.perf_counter()
     try:
-      files.fsync_tree(self.generation_path(generation), self._fsync_pool)
-      files.fsync_path(self.directory, directory=True)
+      with self._disk_busy():
+        files.fsync_tree(self.generation_path(generation), self._fsync_pool)
+        files.fsync_path(self.directory, directory=True)
     except OSError as e:
       raise NvmeWriteError(
         f"NVMe store: making generation {generation} durable at {self.generation_path(generation)} "
@@ -500,7 +525,8 @@ class Pipeline:
       before = self.gens.committed
       drop = self.gens.commit(generation, parent)
     try:
-      self.write_manifest()
+      with self._disk_busy():
+        self.write_manifest()
     except OSError as e:
       with self.cond:
         self.gens.undo_commit(before)
