@@ -460,11 +460,15 @@ def with_moment_dtype(
     return _quantized_moments(inner)
 
   def narrow(state, like):
+    # (a masked-out leaf's MaskedNode, from optax.masked, is no moment; as optax's docstring of
+    # masked says, tree_map_params then takes it as a leaf)
+    masked_out = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     return optax.tree_utils.tree_map_params(
       inner,
-      lambda x, p: x.astype(dtype) if is_moment(x, p, dtype) else x,
+      lambda x, p: x if masked_out(x) or not is_moment(x, p, dtype) else x.astype(dtype),
       state,
       like,
+      is_leaf=masked_out,
     )
 
   def init_fn(params):
