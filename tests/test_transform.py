@@ -445,6 +445,29 @@ def test_non_separable_inner_is_refused(params):
     tx.init(params)
 
 
+def test_apply_if_finite_is_refused_inside_and_trains_as_plain_optax_around(params, tmp_path):
+  # Inside offload, a gradient that was not finite skipped the update of its own group only (the
+  # other groups updated, the skip counts differed): the check, fed finite gradients, passed.
+  inside = oo.offload(optax.apply_if_finite(optax.adam(1e-2), 3), window_bytes=SMALL_WINDOW)
+  with pytest.raises(ValueError, match=r"not finite.*apply_if_finite\(oo.offload"):
+    inside.init(params)
+
+  def run(tx):
+    p, s = params, tx.init(params)
+    step = jax.jit(update_step(tx, apply=False))
+    for t in range(5):
+      g = make_grads(p, t)
+      if t in (2, 3):  # skipped twice, then updated
+        g["conv"] = g["conv"].at[0, 0, 0, 0].set(jnp.nan)
+      p, s = step(p, s, g)
+    return p
+
+  want = run(optax.apply_if_finite(optax.adam(1e-2), 3))
+  for options in ({}, {"host_limit": 0, "nvme_dir": str(tmp_path)}):
+    off = oo.offload(optax.adam(1e-2), window_bytes=SMALL_WINDOW, **options)
+    assert_close(want, run(optax.apply_if_finite(off, 3)))
+
+
 def test_a_transformation_that_waits_is_checked_until_it_moves(params, caplog):
   # The separability check ran 3 steps: MultiSteps of 4 micro-steps around a global-norm clip
   # inside offload passed it (its updates are 0 until the 4th) and trained wrongly.

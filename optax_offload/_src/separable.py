@@ -715,6 +715,9 @@ def check_separable(
       ).astype(p.dtype)
       for i, p in enumerate(params)
     ]
+    # The last step's gradient of leaf 0 is not finite, which may change no other leaf's update
+    # (optax.apply_if_finite skips every leaf's update then).
+    grads[0][-1].flat[0] = np.nan
     try:
       out = _run(joint_and_grouped, params, grads)
     except Exception as e:  # the probe is a best effort; the real update reports real errors
@@ -726,8 +729,8 @@ def check_separable(
       )
       return
     joint, split, states = out
-    last = jax.tree.map(lambda x: x[-1], states)
-    if any(_moved([joint[i]], last, treedef, params, i) for i in range(n)):
+    before_nan = jax.tree.map(lambda x: x[-2], states)
+    if any(_moved([joint[i][:-1]], before_nan, treedef, params, i) for i in range(n)):
       break
   else:
     logger.warning(
@@ -739,9 +742,20 @@ def check_separable(
       _LONGEST_CHECK,
     )
     return
-  for t in range(steps):
+  for t in range(steps - 1):
     for i in range(n):
       _compare(paths[i], avals[i].dtype, joint[i][t], split[i][t])
+  for i in range(1, n):
+    try:
+      _compare(paths[i], avals[i].dtype, joint[i][-1], split[i][-1])
+    except _NotSeparable:
+      raise _NotSeparable(
+        f"offload: the inner transformation is not separable: a gradient of leaf {paths[0]} that "
+        f"is not finite changes the update of leaf {paths[i]} (optax.apply_if_finite skips every "
+        "leaf's update then), and offload updates the leaves group by group. Put it around "
+        "offload: optax.apply_if_finite(oo.offload(optax.adamw(1e-3)), max_consecutive_errors). "
+        "If you are sure it is separable, pass check_separable=False."
+      ) from None
   if alike:  # (by identity a pass may not hold: what the code reads may have changed)
     learned[asked] = True
 
