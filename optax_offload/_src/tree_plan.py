@@ -35,19 +35,25 @@ from optax_offload._src import master as master_lib
 from optax_offload._src import memory
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
+from optax_offload._src import update_dtypes
 
 
 def offloaded_inner(
   inner: optax.GradientTransformation, master_dtype: Any = None, moment_dtype: Any = None
 ) -> optax.GradientTransformationExtraArgs:
   """The transformation `offload` runs group by group and `estimate` plans: `inner` with
-  extra-args support, its moments kept in `moment_dtype` (when given, `compress.with_moment_dtype`),
-  updating master copies in `master_dtype` (when given) of the params narrower than it (the master
-  wraps the moments' wrapper, so the master copy keeps its dtype)."""
-  inner = optax.with_extra_args_support(inner)
+  extra-args support, its state in the dtypes its update returns (`update_dtypes`), its moments
+  kept in `moment_dtype` (when given, `compress.with_moment_dtype`), updating master copies in
+  `master_dtype` (when given) of the params narrower than it (the master wraps the moments'
+  wrapper, so the master copy keeps its dtype)."""
+  inner = update_dtypes.with_update_dtypes(optax.with_extra_args_support(inner))
+  return _wrapped(inner, master_dtype, moment_dtype)
+
+
+def _wrapped(inner, master_dtype, moment_dtype):
   twin = None
   if moment_dtype is not None:
-    twin = offloaded_inner(inner, master_dtype)
+    twin = _wrapped(inner, master_dtype, None)
     inner = compress.with_moment_dtype(inner, moment_dtype)
   if master_dtype is not None:
     inner = master_lib.with_master_weights(inner, master_dtype)

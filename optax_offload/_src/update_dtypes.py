@@ -1,0 +1,62 @@
+"""The inner state in the dtypes its update returns, from ``init`` on.
+
+Plain optax lets an update widen its state: `optax.inject_hyperparams` keeps ``b1`` and ``b2`` as
+float32 arrays, so ``b1 * mu`` turns a bfloat16 param's moments into float32 at the first update
+(and a jitted step compiles a second time). `offload` keeps its state in buffers of fixed dtypes
+(the NVMe tier's files above all), so it starts with the dtypes the update returns: the same
+values (the moments start at 0), from the first step on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_offload._src import layout as layout_lib
+
+
+def with_update_dtypes(
+  inner: optax.GradientTransformationExtraArgs,
+) -> optax.GradientTransformationExtraArgs:
+  """`inner`, whose ``init`` returns each float array of the state in the wider of its own dtype
+  and the dtype that ``update`` returns it in (the update, with zero gradients, traced only).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)
+    >>> tx.init(params).inner_state[0].mu["w"].dtype, tx.update(params, tx.init(params))[1].inner_state[0].mu["w"].dtype
+    (dtype(bfloat16), dtype('float32'))
+    >>> with_update_dtypes(tx).init(params).inner_state[0].mu["w"].dtype
+    dtype('float32')
+  """
+
+  def init_fn(params):
+    state = inner.init(params)
+    if layout_lib.is_placeholder(params):
+      return state
+    try:
+      after = jax.eval_shape(
+        lambda s, p: inner.update(jax.tree.map(jnp.zeros_like, p), s, p)[1], state, params
+      )
+    except Exception:  # (an update that needs extra arguments, or state leaves that are no arrays)
+      return state
+    if jax.tree.structure(after) != jax.tree.structure(state):
+      return state
+    return jax.tree.map(_widened, state, after)
+
+  return optax.GradientTransformationExtraArgs(init_fn, inner.update)
+
+
+def _widened(x: Any, after: Any) -> Any:
+  mine, theirs = jnp.result_type(x), jnp.dtype(after.dtype)
+  if (
+    jnp.issubdtype(mine, jnp.floating)
+    and jnp.issubdtype(theirs, jnp.floating)
+    and jnp.finfo(theirs).bits > jnp.finfo(mine).bits
+  ):
+    return jnp.asarray(x).astype(theirs)
+  return x
