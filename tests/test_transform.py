@@ -200,8 +200,8 @@ def test_chain_with_global_norm_clipping_outside():
 
 
 def test_inject_hyperparams_with_learning_rate_changed_mid_run(params):
-  def make():  # (the hyperparameters' dtype for params of several dtypes: see below)
-    return optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(learning_rate=1e-2)
+  def make():
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)
 
   txs = [make(), oo.offload(make(), window_bytes=SMALL_WINDOW)]
   results = []
@@ -222,26 +222,24 @@ def test_inject_hyperparams_with_learning_rate_changed_mid_run(params):
   assert off_state.inner.inner_state[0].mu["big"].sharding.memory_kind == "pinned_host"
 
 
-def test_inject_hyperparams_takes_one_dtype_for_params_of_several(params, tmp_path):
-  # inject_hyperparams casts its hyperparameters to the widest dtype of the params it is given:
-  # float32 for these params in plain optax, bfloat16 in a group of bfloat16 leaves, whose moments
-  # then stayed bfloat16 (rounded every step) where plain optax's became float32 at the first
-  # update; on the NVMe tier the put of a widened moment raised. It is refused, saying what to
-  # pass; with that, a state that the update widens is widened from init on (update_dtypes).
-  with pytest.raises(ValueError, match=r"bfloat16 for a group.*hyperparam_dtype=jnp.float32"):
-    oo.offload(optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)).init(params)
-
+@pytest.mark.parametrize("lr", [1e-2, optax.linear_schedule(1e-2, 1e-3, 4)], ids=["lr", "schedule"])
+def test_a_state_the_update_widens_is_wide_from_init_on(params, lr, tmp_path):
+  # inject_hyperparams keeps its hyperparameters in the params' widest dtype (float32 here), so
+  # plain optax's moments of the bfloat16 leaf turn float32 at the first update; the NVMe tier's
+  # put of such a moment raised (its files kept init's bfloat16). The state now starts widened
+  # (update_dtypes), written so group by group on the NVMe tier too.
   def make():
-    return optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(learning_rate=1e-2)
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=lr)
 
   want = train(make(), params, 4)
-  assert want[1].inner_state[0].mu["embed"].dtype == jnp.float32  # (bfloat16 at init)
-  for options in ({}, {"host_limit": 0, "nvme_dir": str(tmp_path)}):
+  assert make().init(params).inner_state[0].mu["embed"].dtype == jnp.bfloat16
+  assert want[1].inner_state[0].mu["embed"].dtype == jnp.float32
+  for options in ({}, {"host_limit": 0, "nvme_dir": str(tmp_path / "nvme")}):
     tx = oo.offload(make(), window_bytes=SMALL_WINDOW, **options)
-    assert oo.to_inner(tx.init(params)).inner_state[0].mu["embed"].dtype == jnp.float32
     got = train(tx, params, 4)
     assert_close(want[0], got[0])
     assert_close(want[1], oo.to_inner(got[1], memory_kind="device"))
+    assert oo.to_inner(got[1]).inner_state[0].mu["embed"].dtype == jnp.float32
     oo.close_nvme(got[1])
 
 

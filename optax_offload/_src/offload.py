@@ -619,6 +619,12 @@ def _init_nvme(inner, setup: setup_lib.Setup, generation: int, build_params, con
         if not p.whole:
           leaves[p.leaf] = jax.lax.slice_in_dim(leaves[p.leaf], p.start, p.stop)
       parts = layout.unview(inner.init(layout.masked(leaves, group)), group)[1]
+      # In the whole tree's dtypes (the plan's): a state the update widens (`update_dtypes`) may
+      # take its dtypes from the params it is given (optax.inject_hyperparams' hyperparameters).
+      parts = {
+        i: jax.tree.map(lambda x, a: x.astype(a.dtype), part, setup.parts[i])
+        for i, part in parts.items()
+      }
       # Only the NVMe arrays are written: the others are left out of the program.
       return {
         i: setup_lib.map_arrays(

@@ -691,21 +691,9 @@ def check_separable(
   if learned.get(asked):  # (only passes are kept, and only by `closure_key`)
     return
   rng = np.random.default_rng(0)
-  # Leaves of one dtype apart from the others where there are several (a group of the plan may
-  # hold bfloat16 leaves only: optax.inject_hyperparams casts its hyperparameters to the widest
-  # dtype of the params it is given), else every other leaf.
-  first = tuple(i for i in range(n) if avals[i].dtype == avals[0].dtype)
-  others = tuple(i for i in range(n) if i not in first)
-  groups = (first, others) if others else (tuple(range(0, n, 2)), tuple(range(1, n, 2)))
+  groups = (tuple(range(0, n, 2)), tuple(range(1, n, 2)))
   params = [(rng.normal(size=_miniature(a.shape)) + 0.5).astype(a.dtype) for a in avals]
   treedef = layout.params_treedef
-
-  try:
-    _check_shared_dtypes(inner, layout, avals, groups)
-  except _NotSeparable:
-    raise
-  except Exception:  # (an init that the check's abstract trees cannot run: the steps below tell)
-    pass
 
   def joint_and_grouped(params, grads):
     params_tree = treedef.unflatten(params)
@@ -774,29 +762,6 @@ def check_separable(
 
 class _NotSeparable(ValueError):
   pass
-
-
-def _check_shared_dtypes(inner, layout: StateLayout, avals, groups) -> None:
-  """Raises where the shared leaves of the state take other dtypes for a group of the leaves than
-  for the whole tree (`optax.inject_hyperparams` casts its hyperparameters to the widest dtype
-  of the params it is given): a group's update would round them otherwise."""
-
-  def shared_dtypes(tree):
-    shared = layout.split(jax.eval_shape(inner.init, tree))[0]
-    return [jnp.dtype(x.dtype) for x in jax.tree.leaves(shared)]
-
-  whole = shared_dtypes(layout.params_treedef.unflatten(avals))
-  for group in groups:
-    for mine, theirs in zip(shared_dtypes(layout.masked(avals, group)), whole):
-      if mine != theirs:
-        raise _NotSeparable(
-          f"offload: the inner transformation's state takes its dtypes from the params it is "
-          f"given: a leaf of it that is no param's is {mine.name} for a group of "
-          f"{jnp.dtype(avals[group[0]].dtype).name} leaves and {theirs.name} for the whole tree "
-          "(optax.inject_hyperparams casts its hyperparameters to the params' widest dtype), and "
-          "offload gives it a group of leaves at a time. Pass hyperparam_dtype=jnp.float32 to "
-          "optax.inject_hyperparams (what it takes for these params in plain optax)."
-        )
 
 
 def _compare_master(state, split_state, treedef, params: np.ndarray, i: int) -> None:

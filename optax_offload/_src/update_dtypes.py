@@ -4,7 +4,9 @@ Plain optax lets an update widen its state: `optax.inject_hyperparams` keeps ``b
 float32 arrays, so ``b1 * mu`` turns a bfloat16 param's moments into float32 at the first update
 (and a jitted step compiles a second time). `offload` keeps its state in buffers of fixed dtypes
 (the NVMe tier's files above all), so it starts with the dtypes the update returns: the same
-values (the moments start at 0), from the first step on.
+values (the moments start at 0), from the first step on. (`inject_hyperparams` casts to the widest
+dtype of the params it is given: of the whole tree at init, which `offload` runs on the whole tree,
+or casts to its dtypes where it runs a group at a time.)
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ def with_update_dtypes(
 
   Examples:
     >>> import jax.numpy as jnp, optax
-    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(3)}  # (float32 hyperparameters)
     >>> tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)
-    >>> tx.init(params).inner_state[0].mu["w"].dtype, tx.update(params, tx.init(params))[1].inner_state[0].mu["w"].dtype
+    >>> state = tx.init(params)
+    >>> state.inner_state[0].mu["w"].dtype, tx.update(params, state, params)[1].inner_state[0].mu["w"].dtype
     (dtype(bfloat16), dtype('float32'))
     >>> with_update_dtypes(tx).init(params).inner_state[0].mu["w"].dtype
     dtype('float32')
