@@ -132,6 +132,21 @@ def test_offload_equals_the_wrapper_in_groups(params, name, exact):
     assert_close(want[0], got_params)
 
 
+def test_bf16_moments_leave_the_shared_state_in_its_dtypes(params):
+  # The update widened every narrowed leaf back to what init gives the group's params, shared
+  # leaves too: schedule_free's max_lr takes the narrowest dtype of the params (bfloat16 for
+  # these), float32 in a group of float32 leaves, which then became the state's.
+  def make():
+    return optax.contrib.schedule_free_adamw(1e-3)
+
+  want = train(oo.with_moment_dtype(make(), "bf16"), params, 3)
+  assert want[1].max_lr.dtype == BF16
+  tx = oo.offload(make(), moment_dtype="bf16", window_bytes=WHOLE_LEAF_WINDOW)
+  got = train(tx, params, 3)
+  assert oo.to_inner(got[1]).max_lr.dtype == BF16
+  assert_close(want[0], got[0])
+
+
 def test_the_nvme_tier_holds_bf16_moments_with_the_host_tier_bits(params, tmp_path):
   host = train(oo.offload(optax.adamw(1e-2), moment_dtype="bf16"), params, 2)
   tx = oo.offload(optax.adamw(1e-2), moment_dtype="bf16", host_limit=0, nvme_dir=str(tmp_path))

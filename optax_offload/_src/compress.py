@@ -459,10 +459,12 @@ def with_moment_dtype(
   if dtype == INT8:
     return _quantized_moments(inner)
 
+  # (a masked-out leaf's MaskedNode, from optax.masked, is no moment; as optax's docstring of
+  # masked says, tree_map_params then takes it as a leaf)
+  def masked_out(x):
+    return isinstance(x, optax.MaskedNode)
+
   def narrow(state, like):
-    # (a masked-out leaf's MaskedNode, from optax.masked, is no moment; as optax's docstring of
-    # masked says, tree_map_params then takes it as a leaf)
-    masked_out = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     return optax.tree_utils.tree_map_params(
       inner,
       lambda x, p: x if masked_out(x) or not is_moment(x, p, dtype) else x.astype(dtype),
@@ -479,8 +481,20 @@ def with_moment_dtype(
   def update_fn(updates, state, params=None, **extra_args):
     like = updates if params is None else params
     natural = jax.eval_shape(inner.init, like)
+    # (the moments only: the shared leaves keep theirs, which the init of a group of the leaves
+    # may give other dtypes, e.g. schedule_free's max_lr takes the params' narrowest)
+    moments = optax.tree_utils.tree_map_params(
+      inner,
+      lambda x: x if masked_out(x) else True,
+      state,
+      transform_non_params=lambda x: False,
+      is_leaf=masked_out,
+    )
     wide = jax.tree.map(
-      lambda x, n: x.astype(n.dtype) if jnp.result_type(x) != n.dtype else x, state, natural
+      lambda m, x, n: x.astype(n.dtype) if m and jnp.result_type(x) != n.dtype else x,
+      moments,
+      state,
+      natural,
     )
     new_updates, new_state = inner.update(updates, wide, params, **extra_args)
     return new_updates, narrow(new_state, like)
