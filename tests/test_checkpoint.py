@@ -391,6 +391,7 @@ def test_bad_calls_are_clear_errors(fast_dir):
   step = child.make_step(tx)
   old = tx.init(params)
   p, s = child.run(step, params, old, 0, 2)
+  oo.sync_nvme(s)  # (the second update's commit drops the first generation: wait for it)
   with pytest.raises(ValueError, match="no longer in .*latest update"):
     oo.OffloadSave(old)  # its generation was deleted
   with pytest.raises(ValueError, match="needs the target state"):

@@ -474,7 +474,7 @@ def test_offload_keeps_int8_moments_on_the_host():
   assert bits_equal(plain[0].nu["w"], compress.dequantized(state.inner.inner[0].nu["w"]))
 
 
-def test_sm3s_int8_moments_keep_its_signed_momentum_and_its_accumulators():
+def test_sm3s_narrow_moments_keep_its_signed_momentum_and_its_accumulators():
   # sm3 keeps one accumulator per axis of a param (a list: not shaped like it) and its momentum in
   # a field named ``nu``: quantizing raised a pytree structure error inside init, and once past
   # it the momentum took the unsigned map of Adam's ``nu`` (its negatives read back as 0).
@@ -491,6 +491,13 @@ def test_sm3s_int8_moments_keep_its_signed_momentum_and_its_accumulators():
   got = train(oo.offload(optax.sm3(1e-2, momentum=0.9), moment_dtype="int8"), params, 3)
   ref = train(tx, params, 3)
   assert bits_equal(got[0], ref[0])
+  # bf16 (which raised the same error inside init): the accumulators stay fp32 too.
+  tx = oo.with_moment_dtype(optax.sm3(1e-2, momentum=0.9), "bf16")
+  state = tx.update(grads, tx.init(params), params)[1]
+  assert [a.dtype for a in state[0].mu["w"]] == [jnp.float32, jnp.float32]
+  assert state[0].nu["w"].dtype == BF16
+  got = train(oo.offload(optax.sm3(1e-2, momentum=0.9), moment_dtype="bf16"), params, 3)
+  assert bits_equal(got[0], train(tx, params, 3)[0])
 
 
 class _Box(dict):

@@ -464,6 +464,10 @@ def test_non_separable_inner_is_refused(params):
   tx = oo.offload(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
   with pytest.raises(ValueError, match=r"not separable.*clip_by_global_norm\(1.0\), oo.offload"):
     tx.init(params)
+  # Noise from one key for the whole tree (a state holding a PRNG key, which init reads)
+  noise = optax.chain(optax.add_noise(0.01, 0.55, 0), optax.adam(1e-2))
+  with pytest.raises(ValueError, match="not separable"):
+    oo.offload(noise).init(params)
 
 
 def test_apply_if_finite_is_refused_inside_and_trains_as_plain_optax_around(params, tmp_path):
@@ -487,6 +491,25 @@ def test_apply_if_finite_is_refused_inside_and_trains_as_plain_optax_around(para
   for options in ({}, {"host_limit": 0, "nvme_dir": str(tmp_path)}):
     off = oo.offload(optax.adam(1e-2), window_bytes=SMALL_WINDOW, **options)
     assert_close(want, run(optax.apply_if_finite(off, 3)))
+
+
+def test_lookahead_is_refused_inside_and_trains_as_plain_optax_around(params):
+  # Inside, the fast optimizer's state follows the fast params, not the LookaheadParams: init
+  # raised "Expected named tuple" from inside the layout.
+  slow_and_fast = optax.LookaheadParams.init_synced(params)
+  with pytest.raises(TypeError, match=r"optax.lookahead\(oo.offload\(optax.adam"):
+    oo.offload(optax.lookahead(optax.adam(1e-2), 2, 0.5)).init(slow_and_fast)
+
+  def run(tx):
+    p, s = slow_and_fast, tx.init(slow_and_fast)
+    step = jax.jit(update_step(tx, apply=False))
+    for t in range(5):
+      p, s = step(p, s, make_grads(params, t))
+    return p
+
+  want = run(optax.lookahead(optax.adam(1e-2), 2, 0.5))
+  off = oo.offload(optax.adam(1e-2), window_bytes=SMALL_WINDOW)
+  assert_close(want, run(optax.lookahead(off, 2, 0.5)))
 
 
 def test_a_transformation_that_waits_is_checked_until_it_moves(params, caplog):

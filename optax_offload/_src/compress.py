@@ -325,6 +325,33 @@ def quantizes(shape: tuple[int, ...]) -> bool:
   return len(shape) >= 2 and shape[-1] >= 2
 
 
+def _map_moments(inner: optax.GradientTransformation, state: Any, params: Any, fn) -> Any:
+  """`state` with ``fn(path, x, p, x_def)`` in place of each array ``x`` of its param-shaped
+  subtrees that is alone under its param ``p`` (``x_def``: its wrapper, an ``nnx.Param``, or none),
+  where `fn` returns a tree (None: ``x`` is kept). Under a param, more than one array (sm3's
+  accumulators, one per axis) or none (`optax.masked`'s `MaskedNode`; a leaf outside a group,
+  None in `params`: `StateLayout.skeletons`) is kept as it is."""
+  template = inner.init(layout_lib.placeholder())
+
+  def per_slot(path, t, value):
+    if not layout_lib.is_placeholder(t):
+      return value
+
+    def one(p, x):
+      x_leaves, x_def = jax.tree.flatten(x)
+      p_leaves = jax.tree.leaves(p)
+      if len(x_leaves) != 1 or len(p_leaves) != 1:
+        return x
+      new = fn(path, x_leaves[0], p_leaves[0], x_def)
+      return x if new is None else new
+
+    return jax.tree.map(one, params, value, is_leaf=lambda x: x is None or _is_wrapper(x))
+
+  return jax.tree_util.tree_map_with_path(
+    per_slot, template, state, is_leaf=layout_lib.is_placeholder
+  )
+
+
 def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: Any) -> Any:
   """`state` with its moments quantized: fp32 arrays shaped like their param that `quantizes`,
   in the param-shaped subtrees (the signed or unsigned map by the subtree's field name).
@@ -332,33 +359,17 @@ def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: A
   The rule looks at the rank, not the size: a row slice of a leaf (the plan's slices, the planner's
   probes on miniatures) must be quantized as the whole leaf is. A moment in a wrapper (an
   ``nnx.Param``) becomes a `QuantizedMoment` of two wrapped arrays."""
-  template = inner.init(layout_lib.placeholder())
 
-  def per_slot(path, t, value):
-    if not layout_lib.is_placeholder(t):
-      return value
+  def quantized(path, x, p, x_def):
+    if not quantizes(jnp.shape(x)) or not is_moment(x, p, INT8):
+      return None
     signed = _slot_name(path) not in UNSIGNED_SLOTS or isinstance(_parent(state, path), _SIGNED_NU)
+    # The barrier keeps XLA from constant-folding the quantization of the initial zeros inside a
+    # trace (over 1 s for a 1024 x 256 moment: folding runs element by element at compile time).
+    q = quantize(jax.lax.optimization_barrier(x), signed)
+    return QuantizedMoment(x_def.unflatten([q.codes]), x_def.unflatten([q.scales]))
 
-    def one(p, x):
-      x_leaves, x_def = jax.tree.flatten(x)
-      p_leaves = jax.tree.leaves(p)
-      # (not one array a param: sm3's accumulators, one per axis; none: a leaf outside a group)
-      if len(x_leaves) != 1 or len(p_leaves) != 1:
-        return x
-      (p_leaf,), (x_leaf,) = p_leaves, x_leaves
-      if not quantizes(jnp.shape(x_leaf)) or not is_moment(x_leaf, p_leaf, INT8):
-        return x
-      # The barrier keeps XLA from constant-folding the quantization of the initial zeros inside a
-      # trace (over 1 s for a 1024 x 256 moment: folding runs element by element at compile time).
-      q = quantize(jax.lax.optimization_barrier(x_leaf), signed)
-      return QuantizedMoment(x_def.unflatten([q.codes]), x_def.unflatten([q.scales]))
-
-    # (None is a leaf of `params`: a leaf outside a group, `StateLayout.skeletons`)
-    return jax.tree.map(one, params, value, is_leaf=lambda x: x is None or _is_wrapper(x))
-
-  return jax.tree_util.tree_map_with_path(
-    per_slot, template, state, is_leaf=layout_lib.is_placeholder
-  )
+  return _map_moments(inner, state, params, quantized)
 
 
 def _quantized_moments(
@@ -459,19 +470,16 @@ def with_moment_dtype(
   if dtype == INT8:
     return _quantized_moments(inner)
 
-  # (a masked-out leaf's MaskedNode, from optax.masked, is no moment; as optax's docstring of
-  # masked says, tree_map_params then takes it as a leaf)
+  # (a masked-out leaf's MaskedNode, from optax.masked, is no moment: as optax's docstring of
+  # masked says, tree_map_params takes it as a leaf)
   def masked_out(x):
     return isinstance(x, optax.MaskedNode)
 
   def narrow(state, like):
-    return optax.tree_utils.tree_map_params(
-      inner,
-      lambda x, p: x if masked_out(x) or not is_moment(x, p, dtype) else x.astype(dtype),
-      state,
-      like,
-      is_leaf=masked_out,
-    )
+    def narrowed(path, x, p, x_def):
+      return x_def.unflatten([x.astype(dtype)]) if is_moment(x, p, dtype) else None
+
+    return _map_moments(inner, state, like, narrowed)
 
   def init_fn(params):
     if layout_lib.is_placeholder(params):  # tree_map_params and offload ask for the layout

@@ -557,9 +557,14 @@ class _Probe:
     depths = [shared_dims(part, p.shape) for part, p in zip(per_leaf, params)]
     # A key whose state does not share the split axes is not split (and is not separable); nor one
     # whose probe leaf gets another rule's state than the leaf's (optax.multi_transform or masked
-    # picking rules of different states by path run another rule on the probe's leaf).
+    # picking rules of different states by path run another rule on the probe's leaf); nor one
+    # whose state holds an array along other axes than the param's leading ones (sm3's accumulator
+    # of the columns), which no slice of the param's rows or columns can slice.
     ok = [
-      depths[i] == k[2] and jax.tree.structure(per_leaf[i]) == k[4] for k, i in zip(keys, index)
+      depths[i] == k[2]
+      and jax.tree.structure(per_leaf[i]) == k[4]
+      and not any(d == 0 and x.ndim for d, x in zip(depths[i], jax.tree.leaves(per_leaf[i])))
+      for k, i in zip(keys, index)
     ]
     good = dict(zip(index, ok))
     if axis == 0:

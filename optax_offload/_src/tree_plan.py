@@ -218,7 +218,16 @@ def derive_leaves(
     ValueError: `inner` mixes leaves.
   """
   layout = layout_lib.StateLayout(inner, treedef)
-  shared, parts = layout.split(jax.eval_shape(inner.init, treedef.unflatten(list(avals))))
+  try:
+    shared, parts = layout.split(jax.eval_shape(inner.init, treedef.unflatten(list(avals))))
+  except (ValueError, TypeError) as e:
+    raise TypeError(
+      "offload: the inner transformation's state does not hold its per-parameter parts in the "
+      f"params' tree ({type(e).__name__}: {str(e).splitlines()[0][:100]}...), as optax.lookahead, "
+      "whose fast optimizer's "
+      "state follows the fast params, not the LookaheadParams. Offload the transformation it "
+      "wraps instead, e.g. optax.lookahead(oo.offload(optax.adam(1e-3)), 5, 0.5)."
+    ) from e
   if check_separable:
     twin = _SEPARABILITY_TWINS.get(inner.update, inner)
     twin_layout = layout if twin is inner else layout_lib.StateLayout(twin, treedef)

@@ -55,11 +55,13 @@ def with_update_dtypes(
 
 
 def _widened(x: Any, after: Any) -> Any:
-  mine, theirs = jnp.result_type(x), jnp.dtype(after.dtype)
+  mine, theirs = getattr(x, "dtype", None), getattr(after, "dtype", None)
   if (
-    jnp.issubdtype(mine, jnp.floating)
-    and jnp.issubdtype(theirs, jnp.floating)
+    mine is not None
+    and theirs is not None
+    and jax.dtypes.issubdtype(mine, jnp.floating)  # (not a PRNG key: optax.add_noise keeps one)
+    and jax.dtypes.issubdtype(theirs, jnp.floating)
     and jnp.finfo(theirs).bits > jnp.finfo(mine).bits
   ):
-    return jnp.asarray(x).astype(theirs)
+    return x.astype(theirs)
   return x
