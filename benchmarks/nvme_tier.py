@@ -502,7 +502,7 @@ def _print_size(r: dict) -> None:
     f"the store's threads {r['store_cpu_s_per_gb_moved']:.2f} s"
   )
   if r.get("disk_busy_over_step"):
-    serial = (r["reps"][0]["moved_gb"]) / r["io_lower_bound_s"]
+    serial = statistics.median(rep["moved_gb"] / rep["io_lower_bound_s"] for rep in r["reps"])
     print(
       f"  the disk worked {r['disk_busy_over_step']:.2f} of the step (a read, write or commit under "
       f"way); reads and writes together moved {r['tier_busy_GBps']:.2f} GB/s while it did (the raw "

@@ -495,6 +495,7 @@ def test_sm3s_narrow_moments_keep_its_signed_momentum_and_its_accumulators():
   tx = oo.with_moment_dtype(optax.sm3(1e-2, momentum=0.9), "bf16")
   state = tx.update(grads, tx.init(params), params)[1]
   assert [a.dtype for a in state[0].mu["w"]] == [jnp.float32, jnp.float32]
+  assert [a.dtype for a in state[0].mu["b"]] == [jnp.float32]  # (a list of one: not a moment)
   assert state[0].nu["w"].dtype == BF16
   got = train(oo.offload(optax.sm3(1e-2, momentum=0.9), moment_dtype="bf16"), params, 3)
   assert bits_equal(got[0], train(tx, params, 3)[0])

@@ -468,6 +468,9 @@ def test_non_separable_inner_is_refused(params):
   noise = optax.chain(optax.add_noise(0.01, 0.55, 0), optax.adam(1e-2))
   with pytest.raises(ValueError, match="not separable"):
     oo.offload(noise).init(params)
+  # With jax_debug_nans on (the check's own NaN step then raised, and the check was skipped)
+  with jax.debug_nans(True), pytest.raises(ValueError, match=r"not separable"):
+    tx.init(params)
 
 
 def test_apply_if_finite_is_refused_inside_and_trains_as_plain_optax_around(params, tmp_path):
@@ -476,6 +479,8 @@ def test_apply_if_finite_is_refused_inside_and_trains_as_plain_optax_around(para
   inside = oo.offload(optax.apply_if_finite(optax.adam(1e-2), 3), window_bytes=SMALL_WINDOW)
   with pytest.raises(ValueError, match=r"not finite.*apply_if_finite\(oo.offload"):
     inside.init(params)
+  with pytest.raises(ValueError, match=r"not finite"):  # (the check's first leaf a scalar)
+    inside.init({"a": jnp.ones(()), "b": jnp.ones((64, 64))})
 
   def run(tx):
     p, s = params, tx.init(params)
@@ -499,6 +504,9 @@ def test_lookahead_is_refused_inside_and_trains_as_plain_optax_around(params):
   slow_and_fast = optax.LookaheadParams.init_synced(params)
   with pytest.raises(TypeError, match=r"optax.lookahead\(oo.offload\(optax.adam"):
     oo.offload(optax.lookahead(optax.adam(1e-2), 2, 0.5)).init(slow_and_fast)
+  prefix = {k: not isinstance(v, dict) for k, v in params.items()}  # (False over "dense")
+  with pytest.raises(TypeError, match=r"prefix of the params' tree.*one entry per leaf"):
+    oo.offload(optax.masked(optax.adam(1e-2), prefix)).init(params)
 
   def run(tx):
     p, s = slow_and_fast, tx.init(slow_and_fast)
@@ -518,7 +526,7 @@ def test_a_transformation_that_waits_is_checked_until_it_moves(params, caplog):
   waits = lambda k: optax.MultiSteps(  # noqa: E731
     optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), k
   ).gradient_transformation()
-  for k in (4, 32):  # (32: the check runs 256 steps where no update moved in 16)
+  for k in (4, 16, 256):  # (the check runs 256 steps where no update moved in 16)
     with pytest.raises(ValueError, match=r"not separable"):
       oo.offload(waits(k)).init(params)
   with caplog.at_level("INFO"):  # longer than the check: not checked, nothing split, a warning

@@ -36,6 +36,7 @@ import optax
 from optax_offload._src import layout as layout_lib
 from optax_offload._src import memory
 from optax_offload._src import units
+from optax_offload._src import update_dtypes
 
 INT8 = np.dtype("int8")
 """`parse_moment_dtype`'s value for 8-bit block-quantized moments (`QuantizedMoment`)."""
@@ -327,9 +328,9 @@ def quantizes(shape: tuple[int, ...]) -> bool:
 
 def _map_moments(inner: optax.GradientTransformation, state: Any, params: Any, fn) -> Any:
   """`state` with ``fn(path, x, p, x_def)`` in place of each array ``x`` of its param-shaped
-  subtrees that is alone under its param ``p`` (``x_def``: its wrapper, an ``nnx.Param``, or none),
-  where `fn` returns a tree (None: ``x`` is kept). Under a param, more than one array (sm3's
-  accumulators, one per axis) or none (`optax.masked`'s `MaskedNode`; a leaf outside a group,
+  subtrees that is alone under its param ``p``, bare or in a wrapper ``x_def`` (an ``nnx.Param``),
+  where `fn` returns a tree (None: ``x`` is kept). Under a param, a container (sm3's list of
+  accumulators, one per axis) or nothing (`optax.masked`'s `MaskedNode`; a leaf outside a group,
   None in `params`: `StateLayout.skeletons`) is kept as it is."""
   template = inner.init(layout_lib.placeholder())
 
@@ -338,6 +339,8 @@ def _map_moments(inner: optax.GradientTransformation, state: Any, params: Any, f
       return value
 
     def one(p, x):
+      if not (hasattr(x, "shape") or _is_wrapper(x)):  # (a list, even of one: sm3's of a vector)
+        return x
       x_leaves, x_def = jax.tree.flatten(x)
       p_leaves = jax.tree.leaves(p)
       if len(x_leaves) != 1 or len(p_leaves) != 1:
@@ -408,10 +411,10 @@ def with_moment_dtype(
   """Keeps the moments of `inner`'s state in `moment_dtype`, computing the update as before.
 
   The moments are the float arrays of the state's parameter-shaped subtrees (the subtrees
-  `optax.tree_utils.tree_map_params` maps) that have their param's shape and a dtype wider than
-  `moment_dtype`: Adam's ``mu`` and ``nu``, momentum's ``trace``, Lion's ``mu``, ... . Step counts,
-  hyper-parameters, adafactor's factored rows and columns and leaves already narrow are kept as
-  they are; under `offload`'s ``master_dtype`` the master copy is outside this state and stays in
+  `optax.tree_utils.tree_map_params` maps), alone under their param, that have its shape and a
+  dtype wider than `moment_dtype`: Adam's ``mu`` and ``nu``, momentum's ``trace``, Lion's ``mu``,
+  ... . Step counts, hyper-parameters, adafactor's factored rows and columns, sm3's lists of
+  accumulators and leaves already narrow are kept as they are; under `offload`'s ``master_dtype`` the master copy is outside this state and stays in
   its dtype. (An inner state that keeps a param-shaped copy of the params, e.g. lookahead's slow
   weights, is rounded too: wrap only the part that holds moments.)
 
@@ -488,7 +491,7 @@ def with_moment_dtype(
 
   def update_fn(updates, state, params=None, **extra_args):
     like = updates if params is None else params
-    natural = jax.eval_shape(inner.init, like)
+    natural = jax.eval_shape(update_dtypes.plain_init(inner), like)
     # (the moments only: the shared leaves keep theirs, which the init of a group of the leaves
     # may give other dtypes, e.g. schedule_free's max_lr takes the params' narrowest)
     moments = optax.tree_utils.tree_map_params(

@@ -29,6 +29,7 @@ from optax_offload._src import closure_key
 from optax_offload._src import master
 from optax_offload._src import stream
 from optax_offload._src import stream_spec
+from optax_offload._src import update_dtypes
 from optax_offload._src.layout import StateLayout
 from optax_offload._src.plan import Piece
 from optax_offload._src.plan import Tier
@@ -447,8 +448,9 @@ def _learned(inner) -> tuple[dict, bool]:
   `inner`'s identity: code of another package, whose verdicts may change with what it reads)."""
   key, held = closure_key.closure_key(inner)
   alike = key is not None
-  if not alike:
-    key, held = f"id {id(inner)}", [inner]
+  if not alike:  # (by its functions': `update_dtypes` wraps the same ones alike every time)
+    functions = (update_dtypes.plain_init(inner), inner.update)
+    key, held = f"id {tuple(map(id, functions))}", list(functions)
   config = (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)
   key = f"{jax.default_backend()} {config} {key}"
   if key not in _LEARNED:
@@ -559,11 +561,12 @@ class _Probe:
     # whose probe leaf gets another rule's state than the leaf's (optax.multi_transform or masked
     # picking rules of different states by path run another rule on the probe's leaf); nor one
     # whose state holds an array along other axes than the param's leading ones (sm3's accumulator
-    # of the columns), which no slice of the param's rows or columns can slice.
+    # of the columns; not adafactor's placeholder of one element), which no slice of the param's
+    # rows or columns can slice.
     ok = [
       depths[i] == k[2]
       and jax.tree.structure(per_leaf[i]) == k[4]
-      and not any(d == 0 and x.ndim for d, x in zip(depths[i], jax.tree.leaves(per_leaf[i])))
+      and not any(d == 0 and x.size > 1 for d, x in zip(depths[i], jax.tree.leaves(per_leaf[i])))
       for k, i in zip(keys, index)
     ]
     good = dict(zip(index, ok))
@@ -713,18 +716,19 @@ def check_separable(
     return _scan(step, (state, state), grads)
 
   for steps in (_STEPS, _LONGEST_CHECK):  # (the longer only where no update moved in fewer)
-    # (each leaf's gradients at every step, stacked)
+    # (each leaf's gradients at every step, stacked; one more step, whose gradient of leaf 0 is
+    # not finite, which may change no other leaf's update: optax.apply_if_finite skips every
+    # leaf's update then)
     grads = [
       np.stack(
-        [rng.normal(size=p.shape) * (1e-2 if i % 2 else _scale(t)) for t in range(steps)]
+        [rng.normal(size=p.shape) * (1e-2 if i % 2 else _scale(t)) for t in range(steps + 1)]
       ).astype(p.dtype)
       for i, p in enumerate(params)
     ]
-    # The last step's gradient of leaf 0 is not finite, which may change no other leaf's update
-    # (optax.apply_if_finite skips every leaf's update then).
-    grads[0][-1].flat[0] = np.nan
+    grads[0][(-1,) + (0,) * (grads[0].ndim - 1)] = np.nan
     try:
-      out = _run(joint_and_grouped, params, grads)
+      with jax.debug_nans(False), jax.debug_infs(False):  # (the NaN is the check's own)
+        out = _run(joint_and_grouped, params, grads)
     except Exception as e:  # the probe is a best effort; the real update reports real errors
       logger.warning(
         "offload: could not check that the inner transformation is separable (%s: %s); "
@@ -735,7 +739,7 @@ def check_separable(
       return
     joint, split, states = out
     before_nan = jax.tree.map(lambda x: x[-2], states)
-    if any(_moved([joint[i][:-1]], before_nan, treedef, params, i) for i in range(n)):
+    if any(_moved([joint[i][:steps]], before_nan, treedef, params, i) for i in range(n)):
       break
   else:
     logger.warning(
@@ -747,7 +751,7 @@ def check_separable(
       _LONGEST_CHECK,
     )
     return
-  for t in range(steps - 1):
+  for t in range(steps):
     for i in range(n):
       _compare(paths[i], avals[i].dtype, joint[i][t], split[i][t])
   for i in range(1, n):

@@ -218,15 +218,22 @@ def derive_leaves(
     ValueError: `inner` mixes leaves.
   """
   layout = layout_lib.StateLayout(inner, treedef)
+  state = jax.eval_shape(inner.init, treedef.unflatten(list(avals)))
   try:
-    shared, parts = layout.split(jax.eval_shape(inner.init, treedef.unflatten(list(avals))))
+    shared, parts = layout.split(state)
   except (ValueError, TypeError) as e:
+    hint = (
+      " As optax.lookahead's, whose fast optimizer's state follows the fast params: offload the "
+      "transformation it wraps instead, e.g. optax.lookahead(oo.offload(optax.adam(1e-3)), 5, 0.5)."
+      if "LookaheadParams" in str(treedef)
+      else " A mask or labels given as a prefix of the params' tree (optax.masked's MaskedNode over "
+      "a subtree) are not taken: give one entry per leaf, e.g. by jax.tree.map over the params."
+      if "MaskedNode" in str(e)
+      else ""
+    )
     raise TypeError(
       "offload: the inner transformation's state does not hold its per-parameter parts in the "
-      f"params' tree ({type(e).__name__}: {str(e).splitlines()[0][:100]}...), as optax.lookahead, "
-      "whose fast optimizer's "
-      "state follows the fast params, not the LookaheadParams. Offload the transformation it "
-      "wraps instead, e.g. optax.lookahead(oo.offload(optax.adam(1e-3)), 5, 0.5)."
+      f"params' tree ({type(e).__name__}: {str(e).partition(chr(10))[0][:100]}).{hint}"
     ) from e
   if check_separable:
     twin = _SEPARABILITY_TWINS.get(inner.update, inner)

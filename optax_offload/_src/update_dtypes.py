@@ -11,6 +11,7 @@ or casts to its dtypes where it runs a group at a time.)
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -51,7 +52,17 @@ def with_update_dtypes(
       return state
     return jax.tree.map(_widened, state, after)
 
+  _PLAIN_INITS[init_fn] = inner.init
   return optax.GradientTransformationExtraArgs(init_fn, inner.update)
+
+
+_PLAIN_INITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plain_init(tx: optax.GradientTransformation):
+  """`tx`'s ``init``, or the one `with_update_dtypes` wrapped (whose init traces the update too:
+  for the structure of a state, or the dtypes of what the update widens back, it is enough)."""
+  return _PLAIN_INITS.get(tx.init, tx.init)
 
 
 def _widened(x: Any, after: Any) -> Any:

@@ -473,6 +473,14 @@ class Pipeline:
         if not self._on_disk:
           self.stats["disk_busy_ns"] += time.perf_counter_ns() - self._on_disk_since
 
+  def stats_now_locked(self) -> dict[str, int]:
+    """The stats, the disk's busy time counted up to now (an interval under way included)."""
+    if self._on_disk:
+      now = time.perf_counter_ns()
+      self.stats["disk_busy_ns"] += now - self._on_disk_since
+      self._on_disk_since = now
+    return dict(self.stats)
+
   def _read(self, generation: int, leaves, take) -> list[np.ndarray]:
     start = time.perf_counter_ns()
     path = self.generation_path(generation)

@@ -285,7 +285,7 @@ class NvmeStore:
     ``buffer_bytes`` and ``peak_buffer_bytes`` are the host bytes held now and at most so far.
     """
     with self._pipeline.cond:
-      return dict(self._pipeline.stats)
+      return self._pipeline.stats_now_locked()
 
   def generation_path(self, generation: int) -> pathlib.Path:
     """The directory holding `generation`'s files (e.g. to hard-link them into a checkpoint)."""
