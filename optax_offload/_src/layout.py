@@ -138,12 +138,10 @@ class StateLayout:
     )
 
   def skeletons(self) -> list[PerLeaf]:
-    """Each leaf's part, without arrays, that a group's state holds where the leaf is not in the
-    group: what ``inner.init`` puts there for a tree of no arrays (`masked`'s `None` at every
-    leaf). That is `None`, or the `optax.MaskedNode` of a leaf that a mask or labels given as a
-    pytree mask out: `optax.masked` puts one in its updates at every such leaf, in the group or
-    not, and its inner state must hold one there too (a mask computed from the updates sees
-    `None` there, and leaves `None`).
+    """Each leaf's part, without arrays, in a group's state where the leaf is not in the group:
+    what ``inner.init`` puts there for a tree of `None`s. That is `None`, or the
+    `optax.MaskedNode` of a leaf that a mask given as a pytree masks out, which `optax.masked`
+    also puts in its updates there.
 
     >>> params = {"w": jax.numpy.ones(2), "b": jax.numpy.ones(2)}
     >>> tx = optax.masked(optax.adam(1.0), {"w": True, "b": False})
@@ -153,7 +151,8 @@ class StateLayout:
     if self.params_treedef not in self._skeletons:
       none = [(None,) * self.num_param_slots] * self.num_leaves
       try:
-        per_leaf = self.split(jax.eval_shape(self._inner.init, self.masked(none, [])))[1]
+        nothing = self.masked([None] * self.num_leaves, [])
+        per_leaf = self.split(jax.eval_shape(self._inner.init, nothing))[1]
       except Exception:  # an init that needs arrays: no masked leaves it could mark
         per_leaf = none
       self._skeletons[self.params_treedef] = none if jax.tree.leaves(per_leaf) else per_leaf

@@ -4,9 +4,7 @@ Plain optax lets an update widen its state: `optax.inject_hyperparams` keeps ``b
 float32 arrays, so ``b1 * mu`` turns a bfloat16 param's moments into float32 at the first update
 (and a jitted step compiles a second time). `offload` keeps its state in buffers of fixed dtypes
 (the NVMe tier's files above all), so it starts with the dtypes the update returns: the same
-values (the moments start at 0), from the first step on. (`inject_hyperparams` casts to the widest
-dtype of the params it is given: of the whole tree at init, which `offload` runs on the whole tree,
-or casts to its dtypes where it runs a group at a time.)
+values (the moments start at 0), from the first step on.
 """
 
 from __future__ import annotations
