@@ -613,10 +613,21 @@ class _Probe:
     out = _scan(step, (state, state), stacked)
     return out, None if canonical is None else _steps(inner, self.treedef, *canonical)
 
+  def nan_step(self) -> list[np.ndarray]:
+    """A step after the probe's, its gradients the last step's but for each probed leaf's first
+    element (in the first part), which is not finite."""
+    step = [np.array(g) for g in self.grads[-1]]
+    for i in self.index:
+      step[i][(0,) * step[i].ndim] = np.nan
+    return step
+
   def check(self, out) -> dict:
-    """Each item's (verdict, fingerprint) from `run`'s results."""
+    """Each item's (verdict, fingerprint) from `run`'s results (the probe's steps, then
+    `nan_step`'s)."""
     out, prints = out
+    nan = jax.tree.map(lambda x: x[len(self.grads)], out)
     out = [jax.tree.map(lambda x, t=t: x[t], out) for t in range(len(self.grads))]  # (by step)
+    other = (slice(None),) * self.axis + (slice(-1, None),)  # (in the part without the NaN)
     result = {}
     for n, (key, i) in enumerate(zip(self.keys, self.index)):
       dtype = key[0]
@@ -647,6 +658,10 @@ class _Probe:
             own = np.asarray(a).dtype
             _compare("x", own if jnp.issubdtype(own, jnp.floating) else dtype, a, b)
           _compare_master(state, split_state, self.treedef, params, i)
+        # A gradient that is not finite in one part may not change the other part's update
+        # (optax.apply_if_finite skips the whole leaf's then).
+        atol = ulp[other] if wider else 0.0
+        _compare("x", dtype, np.asarray(nan[0][i])[other], np.asarray(nan[1][i])[other], atol)
         result[item] = (True, None if prints is None else prints[i])
       except _NotSeparable:
         result[item] = (False, None if prints is None else prints[i])
@@ -661,8 +676,9 @@ def _probe_program(inner, items: Sequence, at: At | None = None, steps: int = _F
     for axis in (0, 1)
     if any(axis_of(i) == axis for i in items)
   ]
-  args = [(p.params, p.grads, p.canonical) for p in probes]
-  outs = _run(lambda args: [p.run(inner, *a) for p, a in zip(probes, args)], args)
+  args = [(p.params, [*p.grads, p.nan_step()], p.canonical) for p in probes]
+  with jax.debug_nans(False), jax.debug_infs(False):  # (the NaN step's own)
+    outs = _run(lambda args: [p.run(inner, *a) for p, a in zip(probes, args)], args)
   result = {}
   for p, out in zip(probes, outs):
     result.update(p.check(out))
