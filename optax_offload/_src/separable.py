@@ -425,8 +425,9 @@ def _compiled(traced):
 def _run(fn, *args):
   """`fn` on `args` as one probe program, traced, `_compiled` and run; its results in numpy.
   Compiled, not op by op, and one program for all: eager ops compile one small program each, per
-  shape (for a 13B Llama's leaves, 5 s of the first compile's trace), and each program ~0.3 s."""
-  with jax.ensure_compile_time_eval():
+  shape (for a 13B Llama's leaves, 5 s of the first compile's trace), and each program ~0.3 s.
+  Run with ``jax_debug_nans`` off: the probes feed gradients that are not finite themselves."""
+  with jax.ensure_compile_time_eval(), jax.debug_nans(False), jax.debug_infs(False):
     return jax.device_get(_compiled(jax.jit(fn).trace(*args))(*args))
 
 
@@ -677,8 +678,7 @@ def _probe_program(inner, items: Sequence, at: At | None = None, steps: int = _F
     if any(axis_of(i) == axis for i in items)
   ]
   args = [(p.params, [*p.grads, p.nan_step()], p.canonical) for p in probes]
-  with jax.debug_nans(False), jax.debug_infs(False):  # (the NaN step's own)
-    outs = _run(lambda args: [p.run(inner, *a) for p, a in zip(probes, args)], args)
+  outs = _run(lambda args: [p.run(inner, *a) for p, a in zip(probes, args)], args)
   result = {}
   for p, out in zip(probes, outs):
     result.update(p.check(out))
@@ -743,8 +743,7 @@ def check_separable(
     ]
     grads[0][(-1,) + (0,) * (grads[0].ndim - 1)] = np.nan
     try:
-      with jax.debug_nans(False), jax.debug_infs(False):  # (the NaN is the check's own)
-        out = _run(joint_and_grouped, params, grads)
+      out = _run(joint_and_grouped, params, grads)
     except Exception as e:  # the probe is a best effort; the real update reports real errors
       logger.warning(
         "offload: could not check that the inner transformation is separable (%s: %s); "
