@@ -186,12 +186,13 @@ def test_several_groups_per_layer_give_the_same_bits():
   assert_bits_equal(got, want)
 
 
-@pytest.mark.parametrize("given", ["by_rank", "by_path", "pytree"])
+@pytest.mark.parametrize("given", ["by_rank", "by_path", "pytree", "prefix"])
 def test_a_mask_of_the_stack_is_picked_by_shape_or_refused(given):
   # value_and_update updates a stack's leaves as a tuple of their own, where a mask picked by path
-  # (the usual "no weight decay on norms") or given as a pytree is not the params': by path, the
-  # stack's norms were decayed (silently, before); as a pytree, the step failed in the backward
-  # pass. Both are refused, saying what to do; a mask picked by shape runs as plain optax.
+  # (the usual "no weight decay on norms") or given as a pytree (in full or as a prefix) is not the
+  # params': by path, the stack's norms were decayed (silently, before); as a pytree, the step
+  # failed in the backward pass. Both are refused, saying what to do; a mask picked by shape runs
+  # as plain optax.
   # (bf16 params with a float32 master copy, at a small learning rate: the updates of either rule
   # round to the same bf16 steps, the master copies differ.)
   cfg, params = decoder(3, jnp.bfloat16)
@@ -199,7 +200,10 @@ def test_a_mask_of_the_stack_is_picked_by_shape_or_refused(given):
   by_path = functools.partial(  # noqa: E731
     jax.tree_util.tree_map_with_path, lambda k, _: "norm" not in jax.tree_util.keystr(k)
   )
-  mask = {"by_rank": by_rank, "by_path": by_path, "pytree": by_rank(params)}[given]
+  prefix = {k: k == "layers" for k in params}  # (one entry over the whole stack)
+  mask = {"by_rank": by_rank, "by_path": by_path, "pytree": by_rank(params), "prefix": prefix}[
+    given
+  ]
   tx = optax.adamw(1e-3, weight_decay=0.1, mask=mask)
   run = functools.partial(fused, cfg, jax.tree.map(jnp.copy, params), tx, master=jnp.float32,
                           k=1, clip=None, steps=2, on_host=True)  # fmt: skip

@@ -348,7 +348,9 @@ def _map_moments(inner: optax.GradientTransformation, state: Any, params: Any, f
       new = fn(path, x_leaves[0], p_leaves[0], x_def)
       return x if new is None else new
 
-    return jax.tree.map(one, params, value, is_leaf=lambda x: x is None or _is_wrapper(x))
+    p_leaves, p_def = jax.tree.flatten(params, is_leaf=lambda x: x is None or _is_wrapper(x))
+    new = [one(p, x) for p, x in zip(p_leaves, layout_lib.param_parts(p_def, value))]
+    return layout_lib.param_tree(p_def, new, value)
 
   return jax.tree_util.tree_map_with_path(
     per_slot, template, state, is_leaf=layout_lib.is_placeholder

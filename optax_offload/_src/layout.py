@@ -35,6 +35,68 @@ def placeholder() -> Any:
   return _compat.ParamsPlaceholder()
 
 
+def _one_level(x: Any) -> tuple[list[Any], Any]:
+  """`x`'s children and its node's structure (one level of its tree)."""
+  return jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
+
+
+def param_parts(treedef: Any, tree: Any) -> list[Any]:
+  """A param-shaped subtree of a state, one entry per leaf of the params' `treedef`.
+
+  As ``treedef.flatten_up_to(tree)``, and also where a mask given as a prefix of the params' tree
+  put one `optax.MaskedNode` over a subtree of params: each of their leaves gets that node.
+
+  >>> params = {"enc": {"w": 1, "b": 2}, "dec": 3}
+  >>> param_parts(jax.tree.structure(params), {"enc": optax.MaskedNode(), "dec": "mu"})
+  ['mu', MaskedNode(), MaskedNode()]
+  """
+  try:
+    return treedef.flatten_up_to(tree)
+  except (ValueError, TypeError):
+    if not any(
+      isinstance(x, optax.MaskedNode)
+      for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    ):
+      raise
+  parts = [None] * treedef.num_leaves
+
+  def expand(index, x):
+    if isinstance(index, int):
+      parts[index] = x
+    elif isinstance(x, optax.MaskedNode):
+      for i in jax.tree.leaves(index):
+        parts[i] = x
+    else:
+      (index_children, index_def), (children, node_def) = _one_level(index), _one_level(x)
+      if index_def != node_def:
+        raise ValueError(f"expected the params' node {index_def}, got {node_def}")
+      for i, c in zip(index_children, children):
+        expand(i, c)
+
+  expand(treedef.unflatten(range(treedef.num_leaves)), tree)
+  return parts
+
+
+def param_tree(treedef: Any, parts: Sequence[Any], like: Any) -> Any:
+  """Inverse of `param_parts`: `parts` in the params' tree, with one `optax.MaskedNode` over each
+  subtree of params where `like` (a tree `param_parts` took apart) has one."""
+  try:
+    treedef.flatten_up_to(like)
+    return treedef.unflatten(parts)
+  except (ValueError, TypeError):
+    pass
+
+  def collapse(index, x):
+    if isinstance(index, int):
+      return parts[index]
+    if isinstance(x, optax.MaskedNode):
+      return x
+    (index_children, index_def), (children, _) = _one_level(index), _one_level(x)
+    return index_def.unflatten([collapse(i, c) for i, c in zip(index_children, children)])
+
+  return collapse(treedef.unflatten(range(treedef.num_leaves)), like)
+
+
 class StateLayout:
   """Where the per-parameter parts of an inner state are, for one parameter tree structure.
 
@@ -65,6 +127,8 @@ class StateLayout:
       ) from e
     self._inner = inner
     self._skeletons: dict[Any, list[PerLeaf]] = {}  # by params' tree structure
+    # By (params' tree structure, slot): the slot's tree without arrays, for `param_tree`.
+    self._slot_likes: dict[tuple[Any, int], Any] = {}
     slots, self._treedef = jax.tree.flatten(template, is_leaf=is_placeholder)
     self._param_slots = tuple(j for j, v in enumerate(slots) if is_placeholder(v))
     self._num_slots = len(slots)
@@ -100,7 +164,12 @@ class StateLayout:
   def split(self, state: optax.OptState) -> tuple[list[Any], list[PerLeaf]]:
     """Splits a full state into its shared leaves and one `PerLeaf` per parameter leaf."""
     parts = self._treedef.flatten_up_to(state)
-    per_slot = [self.params_treedef.flatten_up_to(parts[j]) for j in self._param_slots]
+    per_slot = [param_parts(self.params_treedef, parts[j]) for j in self._param_slots]
+    for j in self._param_slots:
+      self._slot_likes.setdefault(
+        (self.params_treedef, j),
+        param_tree(self.params_treedef, [None] * self.num_leaves, parts[j]),
+      )
     shared = [None if j in self._param_slots else p for j, p in enumerate(parts)]
     per_leaf = [tuple(slot[i] for slot in per_slot) for i in range(self.num_leaves)]
     return shared, per_leaf
@@ -114,11 +183,19 @@ class StateLayout:
   ) -> optax.OptState:
     """The state the inner transformation sees for a group: the group's parts (`per_leaf`), and
     their `skeletons` (no arrays) at the other leaves."""
-    parts, members = list(shared), set(group)
-    skeletons = self.skeletons() if len(members) < self.num_leaves else None
+    parts, members, skeletons = list(shared), set(group), None
+    likes = [self._slot_likes.get((self.params_treedef, j)) for j in self._param_slots]
+    if len(members) < self.num_leaves or None in likes:
+      skeletons = self.skeletons()  # (which also finds the slots' `likes`)
+      likes = [self._slot_likes.get((self.params_treedef, j)) for j in self._param_slots]
     for s, j in enumerate(self._param_slots):
       slot = [per_leaf[i][s] if i in members else skeletons[i][s] for i in range(self.num_leaves)]
-      parts[j] = self.params_treedef.unflatten(slot)
+      like = likes[s]
+      parts[j] = (
+        self.params_treedef.unflatten(slot)
+        if like is None
+        else param_tree(self.params_treedef, slot, like)
+      )
     return self._treedef.unflatten(parts)
 
   def unview(
@@ -161,5 +238,5 @@ class StateLayout:
   def group_leaves(self, tree: Any, group: Sequence[int]) -> list[Any]:
     """The group's leaves of a tree returned by `masked`- or `view`-structured computations, in
     group order."""
-    leaves = self.params_treedef.flatten_up_to(tree)
+    leaves = param_parts(self.params_treedef, tree)
     return [leaves[i] for i in group]

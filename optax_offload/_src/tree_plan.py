@@ -226,9 +226,6 @@ def derive_leaves(
       " As optax.lookahead's, whose fast optimizer's state follows the fast params: offload the "
       "transformation it wraps instead, e.g. optax.lookahead(oo.offload(optax.adam(1e-3)), 5, 0.5)."
       if "LookaheadParams" in str(treedef)
-      else " A mask or labels given as a prefix of the params' tree (optax.masked's MaskedNode over "
-      "a subtree) are not taken: give one entry per leaf, e.g. by jax.tree.map over the params."
-      if "MaskedNode" in str(e)
       else ""
     )
     raise TypeError(
