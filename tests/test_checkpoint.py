@@ -122,6 +122,35 @@ def test_resume_is_bit_exact(opt, tier, fast_dir):
   oo.close_nvme(s2)
 
 
+def test_a_prefix_mask_resumes_bit_exact(fast_dir):
+  # optax.multi_transform with labels given as a prefix of the params' tree: one MaskedNode over
+  # each frozen subtree in the state (refused before), host and NVMe tiers.
+  params = child.committed_params()
+  labels = {"embed": "train", "dense": "freeze", "conv": "train", "big": "train", "scale": "freeze"}
+
+  def make(name):
+    inner = optax.multi_transform(
+      {"train": optax.adamw(1e-2), "freeze": optax.set_to_zero()}, labels
+    )
+    return oo.offload(
+      inner, window_bytes=child.WINDOW, **child.offload_kwargs("adamw", "mixed", fast_dir / name)
+    )
+
+  tx = make("nvme_a")
+  step = child.make_step(tx)
+  p, s = child.run(step, params, tx.init(params), 0, STEP)
+  assert oo.footprint(s)["host"] and oo.footprint(s)["nvme"]
+  _save(fast_dir / "ckpt", STEP, p, s)
+  want = child.result(*child.run(step, p, s, STEP, 2 * STEP))
+  oo.close_nvme(s)
+  tx2 = make("nvme_b")
+  p2, s2 = _restore(fast_dir / "ckpt", STEP, params, tx2.init(params))
+  assert _results_equal(
+    want, child.result(*child.run(child.make_step(tx2), p2, s2, STEP, 2 * STEP))
+  )
+  oo.close_nvme(s2)
+
+
 def test_resume_in_a_fresh_process(fast_dir):
   # Every tier in a nested state, and a MultiSteps state mid-accumulation.
   cases = [("chain_clip_adamw", "mixed"), ("multisteps_adamw", "host")]
