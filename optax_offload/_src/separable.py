@@ -8,7 +8,7 @@ of very different scales in the two groups, and compares.
 
 `splittable` probes, the same way, which leaves may be updated in row slices or column chunks, on
 a tree of its own, over `_FEW_STEPS` steps (`_STEPS` for a transformation whose update waits:
-`_horizon`); each leaf's rule (`_fingerprints`) says whether the probe's verdict is the leaf's, or
+`_Learned.steps`); each leaf's rule (`_fingerprints`) says whether the probe's verdict is the leaf's, or
 the leaf must be probed at its own path (a rule picked by path).
 """
 
@@ -44,7 +44,7 @@ waits (``optax.MultiSteps`` inside `offload`, a learning rate of 0 at first): it
 moves within them. A leaf whose update (or master copy) moves in none of them is not split."""
 _FEW_STEPS = 3
 """Steps of the split probes (and the rules, `_fingerprints`) of a transformation until one
-probe's update waits longer (`_horizon`)."""
+probe's update waits longer (`_Learned.steps`)."""
 _LONGEST_CHECK = 256
 """Steps of the separability check where no update moved in `_STEPS` (on miniatures: cheap); a
 transformation whose updates wait longer is not checked (a warning)."""
@@ -167,30 +167,33 @@ def splittable(
     return [0] * len(keys)
   known, alike = _learned(inner)
   # On a tuple tree: each key's (verdict, fingerprint of the rule at its probe's path).
-  todo = [k for k in _both_axes(asked) if {k, ("no tuple", k)}.isdisjoint(known)]
+  todo = [k for k in _both_axes(asked) if k not in known.split and k not in known.no_tuple]
   if todo:
     results, failed = _probe(inner, sorted(todo, key=repr), warn=treedef is None)
-    known.update({k: v for k, v in results.items() if k not in failed})
-    known.update({("no tuple", k): True for k in failed})
-  on_a_tuple = not any(("no tuple", k) in known for k in asked)
+    known.split.update({k: v for k, v in results.items() if k not in failed})
+    known.no_tuple.update(failed)
+  on_a_tuple = known.no_tuple.isdisjoint(asked)
   # Only a user's function or pytree picks a rule by path (optax's own code does not): with
   # neither (a `closure_key`), the tuple's rules are the params' (but for params that are a tuple
   # themselves, whose mask may be a tuple too, fitting the probes' tree).
   tuple_root = treedef is not None and (treedef.node_data() or (None,))[0] is tuple
   if treedef is None or (alike and on_a_tuple and not tuple_root):
-    return [int(a.shape[axis]) if k in known and known[k][0] else 0 for k, a in zip(keys, avals)]
-  if on_a_tuple and not any(known[k][0] for k in asked):
+    return [
+      int(a.shape[axis]) if k in known.split and known.split[k][0] else 0
+      for k, a in zip(keys, avals)
+    ]
+  if on_a_tuple and not any(known.split[k][0] for k in asked):
     return [0] * len(keys)  # (no probe splits: lamb's; a leaf of another rule stays whole)
-  steps = _horizon(known)
+  steps = known.steps
   prints = _fingerprints(inner, treedef, avals)
   if prints is None:
     return [0] * len(keys)
 
   def verdict(k, n):
     """A verdict probed under leaf n's rule (None if none was)."""
-    if k in known and _alike(prints[n], known[k][1], k[0]):
-      return known[k][0]
-    return next((v for f, v in known.get(("at", k), ()) if _alike(prints[n], f, k[0])), None)
+    if k in known.split and _alike(prints[n], known.split[k][1], k[0]):
+      return known.split[k][0]
+    return next((v for f, v in known.at.get(k, ()) if _alike(prints[n], f, k[0])), None)
 
   # The rest at their own paths: one leaf of each rule not probed yet, both axes.
   reps = []
@@ -201,12 +204,12 @@ def splittable(
   if reps:
     items = sorted({(j, n) for k, n in reps for j in _both_axes({k})}, key=repr)
     results, _ = _probe(inner, items, at=At(treedef, tuple(avals)))
-    if _horizon(known) != steps:
+    if known.steps != steps:
       # (an update that waits: the rules again over as many steps, rules that both wait look
       # alike over fewer)
       return splittable(inner, avals, per_leaf, dims, min_size, axis, treedef)
     for (j, n), (v, _) in results.items():  # (one that failed: not split, not probed again)
-      known.setdefault(("at", j), []).append((prints[n], v))
+      known.at.setdefault(j, []).append((prints[n], v))
   return [
     int(a.shape[axis]) if k is not None and verdict(k, n) else 0
     for n, (k, a) in enumerate(zip(keys, avals))
@@ -264,11 +267,6 @@ def _canonical(dtype, trailing: Sequence[int], steps: int) -> tuple[np.ndarray, 
   trailing = tuple(min(int(d), 3) for d in trailing)
   rng = np.random.default_rng(zlib.crc32(repr((jnp.dtype(dtype), trailing)).encode()))
   return _two_parts(rng, (4, *trailing), dtype, steps=steps)
-
-
-def _horizon(learned: dict) -> int:
-  """The steps of `inner`'s split probes and rules (`learned`: its `_learned` verdicts)."""
-  return learned.get(("steps",), _FEW_STEPS)
 
 
 def _steps(inner, treedef, params, grads):
@@ -333,10 +331,10 @@ def _fingerprints(
   """
   learned = _learned(inner)[0]
   named = [_named(a) for a in avals]
-  steps = _horizon(learned)
-  asked = ("fingerprints", treedef, tuple(named), steps)
-  if asked in learned:
-    return learned[asked]
+  steps = learned.steps
+  asked = (treedef, tuple(named), steps)
+  if asked in learned.rules:
+    return learned.rules[asked]
   params, grads = _miniatures(avals)
   grads = [list(grads) for _ in range(steps)]
   for n, name in enumerate(named):
@@ -355,8 +353,8 @@ def _fingerprints(
         e,
       )
     return None
-  learned[asked] = [None if name is None else x for name, x in zip(named, out)]
-  return learned[asked]
+  learned.rules[asked] = [None if name is None else x for name, x in zip(named, out)]
+  return learned.rules[asked]
 
 
 def _named(aval) -> tuple | None:
@@ -374,7 +372,7 @@ def rules_on_a_tuple(
   a pytree). `value_and_update` updates a layer stack's leaves as a tuple of their own.
   """
   learned, alike = _learned(inner)
-  steps = _horizon(learned)
+  steps = learned.steps
   mine = _fingerprints(
     inner, jax.tree.structure((0,) * len(leaves)), [avals[i] for i in leaves], warn=False
   )
@@ -382,7 +380,7 @@ def rules_on_a_tuple(
     return None
   if steps < _STEPS and any(x is not None and not np.any(np.asarray(x[0]) != 0) for x in mine):
     # (an update that waits: rules that both wait look alike over fewer steps)
-    learned[("steps",)] = _STEPS
+    learned.steps = _STEPS
     return rules_on_a_tuple(inner, treedef, avals, leaves)
   if alike:  # (optax's own code picks no rule by path: `splittable`)
     return [True] * len(leaves)
@@ -431,21 +429,34 @@ def _run(fn, *args):
     return jax.device_get(_compiled(jax.jit(fn).trace(*args))(*args))
 
 
-_LEARNED: collections.OrderedDict[str, tuple[list, dict]] = collections.OrderedDict()
-"""What the probes found of the last `_LEARNED_KEPT` transformations probed, by `closure_key` (a
-transformation built again alike, e.g. ``optax.adamw(1e-2)`` in a new `offload`, is not traced,
-compiled nor run again): (the objects its key names by identity, the verdicts: a split key's
-(verdict, fingerprint) on a tuple tree, ``("no tuple", key)`` where that probe failed, ``("at",
-key)``: (fingerprint, verdict) pairs probed at the params' paths, ``("fingerprints", treedef,
-names, steps)``: the leaves' rules (`_fingerprints`, of the params' tree or of a stack's tuple:
-`rules_on_a_tuple`), ``("steps",)``: the probes' steps where its update waits (`_horizon`), and
-``("separable", treedef, miniature)`` for a passed `check_separable`)."""
+@dataclasses.dataclass
+class _Learned:
+  """What the probes found of one transformation (`_learned`)."""
+
+  split: dict = dataclasses.field(default_factory=dict)
+  """Per split key (`splittable`), probed on a tuple tree: (verdict, fingerprint of its rule)."""
+  no_tuple: set = dataclasses.field(default_factory=set)
+  """The split keys whose probe on a tuple tree failed (a mask or labels given as a pytree)."""
+  at: dict = dataclasses.field(default_factory=dict)
+  """Per split key, (fingerprint, verdict) pairs probed at the params' own paths (`At`)."""
+  rules: dict = dataclasses.field(default_factory=dict)
+  """Per (tree structure, leaves' names, steps), the leaves' rules (`_fingerprints`)."""
+  separable: set = dataclasses.field(default_factory=set)
+  """(params' tree structure, miniature) of each passed `check_separable`."""
+  steps: int = _FEW_STEPS
+  """The split probes' and rules' steps: `_STEPS` once one's update waited longer than fewer."""
+
+
+_LEARNED: collections.OrderedDict[str, tuple[list, _Learned]] = collections.OrderedDict()
+"""What the probes found (`_Learned`) of the last `_LEARNED_KEPT` transformations probed, with
+the objects their key names by identity, by `closure_key` (a transformation built again alike,
+e.g. ``optax.adamw(1e-2)`` in a new `offload`, is not traced, compiled nor run again)."""
 _LEARNED_KEPT = 16
 
 
-def _learned(inner) -> tuple[dict, bool]:
+def _learned(inner) -> tuple[_Learned, bool]:
   """The verdicts of the probes of `inner`, or of a transformation built alike, kept as the latest
-  used (a new dict where there are none); and whether they are kept by `closure_key` (else by
+  used (new ones where there are none); and whether they are kept by `closure_key` (else by
   `inner`'s identity: code of another package, whose verdicts may change with what it reads)."""
   key, held = closure_key.closure_key(inner)
   alike = key is not None
@@ -455,7 +466,7 @@ def _learned(inner) -> tuple[dict, bool]:
   config = (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)
   key = f"{jax.default_backend()} {config} {key}"
   if key not in _LEARNED:
-    _LEARNED[key] = (held, {})
+    _LEARNED[key] = (held, _Learned())
     if len(_LEARNED) > _LEARNED_KEPT:
       _LEARNED.popitem(last=False)
   _LEARNED.move_to_end(key)
@@ -463,13 +474,13 @@ def _learned(inner) -> tuple[dict, bool]:
 
 
 def _probe(inner, items: Sequence, at: At | None = None, warn: bool = True) -> tuple[dict, set]:
-  """`_probe_steps` over `_horizon`'s steps; all again over `_STEPS` where an item's update did not
+  """`_probe_steps` over `_Learned.steps`; all again over `_STEPS` where an item's update did not
   move in fewer (a transformation that waits: its rules are then learned over as many)."""
   learned = _learned(inner)[0]
-  steps = _horizon(learned)
+  steps = learned.steps
   results, failed = _probe_steps(inner, items, at, warn, steps)
   if steps < _STEPS and any(v is None for v, _ in results.values()):
-    learned[("steps",)] = _STEPS
+    learned.steps = _STEPS
     results, failed = _probe_steps(inner, items, at, warn, _STEPS)
   return {k: (bool(v), f) for k, (v, f) in results.items()}, failed
 
@@ -707,12 +718,8 @@ def check_separable(
     return
   learned, alike = _learned(inner)
   # (it runs on a miniature of the tree: what it finds holds for the trees of that miniature)
-  asked = (
-    "separable",
-    layout.params_treedef,
-    tuple((jnp.dtype(a.dtype), _miniature(a.shape)) for a in avals),
-  )
-  if learned.get(asked):  # (only passes are kept, and only by `closure_key`)
+  asked = (layout.params_treedef, tuple((jnp.dtype(a.dtype), _miniature(a.shape)) for a in avals))
+  if asked in learned.separable:  # (only passes are kept, and only by `closure_key`)
     return
   rng = np.random.default_rng(0)
   groups = (tuple(range(0, n, 2)), tuple(range(1, n, 2)))
@@ -781,7 +788,7 @@ def check_separable(
         "If you are sure it is separable, pass check_separable=False."
       ) from None
   if alike:  # (by identity a pass may not hold: what the code reads may have changed)
-    learned[asked] = True
+    learned.separable.add(asked)
 
 
 class _NotSeparable(ValueError):
