@@ -243,6 +243,19 @@ def test_a_state_the_update_widens_is_wide_from_init_on(params, lr, tmp_path):
     oo.close_nvme(got[1])
 
 
+def test_an_integer_leafs_moments_are_float_from_init_on(params, tmp_path):
+  # Plain optax's moments of an int32 param start int32 and turn float32 at the first update; the
+  # NVMe tier's put of such a moment raised (its files kept init's int32).
+  params = {**params, "ids": jnp.arange(5000, dtype=jnp.int32)}
+  want = train(optax.adamw(1e-2), params, 3)
+  assert want[1][0].mu["ids"].dtype == jnp.float32
+  for options in ({}, {"host_limit": 0, "nvme_dir": str(tmp_path / "nvme")}):
+    got = train(oo.offload(optax.adamw(1e-2), window_bytes=SMALL_WINDOW, **options), params, 3)
+    assert_close(want[0], got[0])
+    assert_close(want[1], oo.to_inner(got[1], memory_kind="device"))
+    oo.close_nvme(got[1])
+
+
 def test_learning_rate_schedule():
   sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 20)
   _compare_setups(optax.adamw(sched), oo.offload(optax.adamw(sched), window_bytes=SMALL_WINDOW))

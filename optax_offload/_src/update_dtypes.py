@@ -2,7 +2,8 @@
 
 Plain optax lets an update widen its state: `optax.inject_hyperparams` keeps ``b1`` and ``b2`` as
 float32 arrays, so ``b1 * mu`` turns a bfloat16 param's moments into float32 at the first update
-(and a jitted step compiles a second time). `offload` keeps its state in buffers of fixed dtypes
+(and a jitted step compiles a second time); an integer param's moments start in its dtype and turn
+float32 there too. `offload` keeps its state in buffers of fixed dtypes
 (the NVMe tier's files above all), so it starts with the dtypes the update returns: the same
 values (the moments start at 0), from the first step on.
 """
@@ -23,7 +24,8 @@ def with_update_dtypes(
   inner: optax.GradientTransformationExtraArgs,
 ) -> optax.GradientTransformationExtraArgs:
   """`inner`, whose ``init`` returns each float array of the state in the wider of its own dtype
-  and the dtype that ``update`` returns it in (the update, with zero gradients, traced only).
+  and the dtype that ``update`` returns it in, and each integer or bool array that ``update``
+  returns as a float in that float (the update, with zero gradients, traced only).
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -65,12 +67,12 @@ def plain_init(tx: optax.GradientTransformation):
 
 def _widened(x: Any, after: Any) -> Any:
   mine, theirs = getattr(x, "dtype", None), getattr(after, "dtype", None)
-  if (
-    mine is not None
-    and theirs is not None
-    and jax.dtypes.issubdtype(mine, jnp.floating)  # (not a PRNG key: optax.add_noise keeps one)
-    and jax.dtypes.issubdtype(theirs, jnp.floating)
-    and jnp.finfo(theirs).bits > jnp.finfo(mine).bits
-  ):
+  if mine is None or theirs is None or not jax.dtypes.issubdtype(theirs, jnp.floating):
+    return x
+  # (not a PRNG key, which optax.add_noise keeps; an integer or bool param's moments start in its
+  # dtype and turn floating at the first update)
+  if jax.dtypes.issubdtype(mine, jnp.integer) or jax.dtypes.issubdtype(mine, jnp.bool_):
+    return x.astype(theirs)
+  if jax.dtypes.issubdtype(mine, jnp.floating) and jnp.finfo(theirs).bits > jnp.finfo(mine).bits:
     return x.astype(theirs)
   return x
