@@ -256,6 +256,22 @@ def test_an_integer_leafs_moments_are_float_from_init_on(params, tmp_path):
     oo.close_nvme(got[1])
 
 
+def test_a_leaf_of_no_elements(params):
+  # First in the tree, the separability check's step of a gradient that is not finite indexed its
+  # first element (IndexError); with 8-bit moments, quantizing it divided by zero.
+  params = {"a_empty": jnp.zeros((0, 8)), **params}
+  want = train(optax.adamw(1e-2), params, 3)
+  assert_close(
+    want[0], train(oo.offload(optax.adamw(1e-2), window_bytes=SMALL_WINDOW), params, 3)[0]
+  )
+  int8 = {"moment_dtype": "int8", "master_dtype": jnp.float32}
+  want = train(oo.offload(optax.adamw(1e-2), window_bytes="1GiB", **int8), params, 3, apply=True)
+  got = train(
+    oo.offload(optax.adamw(1e-2), window_bytes=SMALL_WINDOW, **int8), params, 3, apply=True
+  )
+  assert_close(want[0], got[0])
+
+
 def test_learning_rate_schedule():
   sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 20)
   _compare_setups(optax.adamw(sched), oo.offload(optax.adamw(sched), window_bytes=SMALL_WINDOW))

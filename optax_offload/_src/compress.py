@@ -317,13 +317,14 @@ def quantizes(shape: tuple[int, ...]) -> bool:
   """Whether an fp32 moment of `shape` is kept in 8 bits: 2 or more dimensions and a last axis of
   2 or more. A last axis of 1 would cost 5 bytes per element (a code and a one-element block's
   scale), more than fp32's 4; a last axis of n >= 2 costs 1 + 4 * ceil(n / 256) / n <= 3. Row
-  slices and the planner's miniatures (each axis cut to at most 3) keep the answer.
+  slices and the planner's miniatures (each axis cut to at most 3) keep the answer. A moment of
+  no elements stays as it is.
 
   Examples:
     >>> quantizes((64, 256)), quantizes((64, 2)), quantizes((64, 1)), quantizes((4096,))
     (True, True, False, False)
   """
-  return len(shape) >= 2 and shape[-1] >= 2
+  return len(shape) >= 2 and shape[-1] >= 2 and 0 not in shape
 
 
 def _map_moments(inner: optax.GradientTransformation, state: Any, params: Any, fn) -> Any:

@@ -738,9 +738,10 @@ def check_separable(
     state = inner.init(params_tree)
     return _scan(step, (state, state), grads)
 
+  nan_leaf = next((i for i, p in enumerate(params) if p.size), None)  # (not one of zero size)
   for steps in (_STEPS, _LONGEST_CHECK):  # (the longer only where no update moved in fewer)
-    # (each leaf's gradients at every step, stacked; one more step, whose gradient of leaf 0 is
-    # not finite, which may change no other leaf's update: optax.apply_if_finite skips every
+    # (each leaf's gradients at every step, stacked; one more step, whose gradient of `nan_leaf`
+    # is not finite, which may change no other leaf's update: optax.apply_if_finite skips every
     # leaf's update then)
     grads = [
       np.stack(
@@ -748,7 +749,8 @@ def check_separable(
       ).astype(p.dtype)
       for i, p in enumerate(params)
     ]
-    grads[0][(-1,) + (0,) * (grads[0].ndim - 1)] = np.nan
+    if nan_leaf is not None:
+      grads[nan_leaf][(-1,) + (0,) * (grads[nan_leaf].ndim - 1)] = np.nan
     try:
       out = _run(joint_and_grouped, params, grads)
     except Exception as e:  # the probe is a best effort; the real update reports real errors
@@ -776,12 +778,13 @@ def check_separable(
   for t in range(steps):
     for i in range(n):
       _compare(paths[i], avals[i].dtype, joint[i][t], split[i][t])
-  for i in range(1, n):
+  for i in range(n if nan_leaf is not None else 0):
     try:
-      _compare(paths[i], avals[i].dtype, joint[i][-1], split[i][-1])
+      if i != nan_leaf:
+        _compare(paths[i], avals[i].dtype, joint[i][-1], split[i][-1])
     except _NotSeparable:
       raise _NotSeparable(
-        f"offload: the inner transformation is not separable: a gradient of leaf {paths[0]} that "
+        f"offload: the inner transformation is not separable: a gradient of leaf {paths[nan_leaf]} that "
         f"is not finite changes the update of leaf {paths[i]} (optax.apply_if_finite skips every "
         "leaf's update then), and offload updates the leaves group by group. Put it around "
         "offload: optax.apply_if_finite(oo.offload(optax.adamw(1e-3)), max_consecutive_errors). "
