@@ -18,6 +18,7 @@ from conftest import make_grads
 from conftest import make_params
 from conftest import train
 from conftest import update_step
+from flax import traverse_util
 from helpers import OPTIMIZERS
 
 import optax_offload as oo
@@ -321,6 +322,14 @@ _RULES_AS_PYTREES = {
   "frozen_by_labels_of_a_prefix": lambda: optax.multi_transform(
     {"train": optax.adamw(1e-2), "freeze": optax.set_to_zero()},
     jax.tree.map(lambda t: "train" if t else "freeze", _FROZEN_BY_A_PREFIX),
+  ),
+  # Labels from a function that reads the params' dicts (flax's path_aware_map): its init on
+  # optax's params placeholder failed, and offload refused it as "cannot be split per parameter".
+  "labels_by_a_function_of_dicts": lambda: optax.multi_transform(
+    {"train": optax.adamw(1e-2), "freeze": optax.set_to_zero()},
+    lambda p: traverse_util.path_aware_map(
+      lambda k, _: "freeze" if k[0] == "dense" else "train", p
+    ),
   ),
 }
 

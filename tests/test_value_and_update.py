@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_close
+from flax import traverse_util
 from jax import lax
 
 import optax_offload as oo
@@ -186,7 +187,7 @@ def test_several_groups_per_layer_give_the_same_bits():
   assert_bits_equal(got, want)
 
 
-@pytest.mark.parametrize("given", ["by_rank", "by_path", "pytree", "prefix"])
+@pytest.mark.parametrize("given", ["by_rank", "by_path", "pytree", "prefix", "path_aware_map"])
 def test_a_mask_of_the_stack_is_picked_by_shape_or_refused(given):
   # value_and_update updates a stack's leaves as a tuple of their own, where a mask picked by path
   # (the usual "no weight decay on norms") or given as a pytree (in full or as a prefix) is not the
@@ -201,9 +202,10 @@ def test_a_mask_of_the_stack_is_picked_by_shape_or_refused(given):
     jax.tree_util.tree_map_with_path, lambda k, _: "norm" not in jax.tree_util.keystr(k)
   )
   prefix = {k: k == "layers" for k in params}  # (one entry over the whole stack)
-  mask = {"by_rank": by_rank, "by_path": by_path, "pytree": by_rank(params), "prefix": prefix}[
-    given
-  ]
+  # (flax's way, a function of the params' dicts)
+  path_aware = functools.partial(traverse_util.path_aware_map, lambda k, _: "norm" not in k[-1])
+  mask = {"by_rank": by_rank, "by_path": by_path, "pytree": by_rank(params), "prefix": prefix,
+          "path_aware_map": path_aware}[given]  # fmt: skip
   tx = optax.adamw(1e-3, weight_decay=0.1, mask=mask)
   run = functools.partial(fused, cfg, jax.tree.map(jnp.copy, params), tx, master=jnp.float32,
                           k=1, clip=None, steps=2, on_host=True)  # fmt: skip

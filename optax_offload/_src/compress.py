@@ -327,13 +327,20 @@ def quantizes(shape: tuple[int, ...]) -> bool:
   return len(shape) >= 2 and shape[-1] >= 2 and 0 not in shape
 
 
+def _flatten_params(params: Any) -> tuple[list[Any], Any]:
+  """The params' leaves, taking None (a leaf outside a group) and wrappers (``nnx.Param``) as
+  leaves, and their structure."""
+  return jax.tree.flatten(params, is_leaf=lambda x: x is None or _is_wrapper(x))
+
+
 def _map_moments(inner: optax.GradientTransformation, state: Any, params: Any, fn) -> Any:
   """`state` with ``fn(path, x, p, x_def)`` in place of each array ``x`` of its param-shaped
   subtrees that is alone under its param ``p``, bare or in a wrapper ``x_def`` (an ``nnx.Param``),
   where `fn` returns a tree (None: ``x`` is kept). Under a param, a container (sm3's list of
   accumulators, one per axis) or nothing (`optax.masked`'s `MaskedNode`; a leaf outside a group,
   None in `params`: `StateLayout.skeletons`) is kept as it is."""
-  template = inner.init(layout_lib.placeholder())
+  p_leaves, p_def = _flatten_params(params)
+  template = layout_lib.state_template(inner, p_def)
 
   def per_slot(path, t, value):
     if not layout_lib.is_placeholder(t):
@@ -349,7 +356,6 @@ def _map_moments(inner: optax.GradientTransformation, state: Any, params: Any, f
       new = fn(path, x_leaves[0], p_leaves[0], x_def)
       return x if new is None else new
 
-    p_leaves, p_def = jax.tree.flatten(params, is_leaf=lambda x: x is None or _is_wrapper(x))
     new = [one(p, x) for p, x in zip(p_leaves, layout_lib.param_parts(p_def, value))]
     return layout_lib.param_tree(p_def, new, value)
 
@@ -384,7 +390,7 @@ def _quantized_moments(
   """`with_moment_dtype(inner, "int8")`."""
 
   def init_fn(params):
-    if layout_lib.is_placeholder(params):  # tree_map_params and offload ask for the layout
+    if layout_lib.asks_for_layout(params):  # tree_map_params and offload ask for the layout
       return inner.init(params)
     return _quantize_moments(inner, inner.init(params), params)
 
@@ -488,7 +494,7 @@ def with_moment_dtype(
     return _map_moments(inner, state, like, narrowed)
 
   def init_fn(params):
-    if layout_lib.is_placeholder(params):  # tree_map_params and offload ask for the layout
+    if layout_lib.asks_for_layout(params):  # tree_map_params and offload ask for the layout
       return inner.init(params)
     return narrow(inner.init(params), params)
 
@@ -497,8 +503,9 @@ def with_moment_dtype(
     natural = jax.eval_shape(update_dtypes.plain_init(inner), like)
     # (the moments only: the shared leaves keep theirs, which the init of a group of the leaves
     # may give other dtypes, e.g. schedule_free's max_lr takes the params' narrowest)
+    template = layout_lib.state_template(inner, _flatten_params(like)[1])
     moments = optax.tree_utils.tree_map_params(
-      inner,
+      lambda _: template,
       lambda x: x if masked_out(x) else True,
       state,
       transform_non_params=lambda x: False,

@@ -30,9 +30,51 @@ def is_placeholder(x: Any) -> bool:
   return isinstance(x, _compat.ParamsPlaceholder)
 
 
+def asks_for_layout(params: Any) -> bool:
+  """Whether an ``init`` is given optax's params placeholder, or a tree of them
+  (`state_template`), to show where its state holds param-shaped subtrees."""
+  return any(map(is_placeholder, jax.tree.leaves(params, is_leaf=is_placeholder)))
+
+
 def placeholder() -> Any:
   """The object `optax.tree_utils.tree_map_params` passes to ``init``."""
   return _compat.ParamsPlaceholder()
+
+
+def state_template(inner: optax.GradientTransformation, params_treedef: Any) -> Any:
+  """``inner.init`` of optax's params placeholder: its state with a placeholder at each
+  param-shaped subtree (`optax.tree_utils.tree_map_params`' trick).
+
+  Where that init fails, e.g. on labels or a mask given as a function that reads the params'
+  containers (``lambda p: {k: ... for k in p}``, flax's ``traverse_util.path_aware_map``), the
+  same from ``inner.init`` of the params' tree with a placeholder at each leaf.
+
+  >>> from flax import traverse_util
+  >>> labels = lambda p: traverse_util.path_aware_map(lambda k, _: k[0], p)
+  >>> tx = optax.multi_transform({"w": optax.adam(1.0), "b": optax.sgd(1.0)}, labels)
+  >>> template = state_template(tx, jax.tree.structure({"w": 0, "b": 0}))
+  >>> is_placeholder(template.inner_states["w"].inner_state[0].mu)
+  True
+  """
+  try:
+    return inner.init(placeholder())
+  except Exception as e:
+    failed = e
+  try:
+    full = inner.init(params_treedef.unflatten([placeholder()] * params_treedef.num_leaves))
+  except Exception:
+    raise failed from None
+
+  def is_slot(x):
+    try:
+      parts = param_parts(params_treedef, x)
+    except (ValueError, TypeError):
+      return False
+    return any(is_placeholder(p) for p in parts) and all(
+      is_placeholder(p) or isinstance(p, optax.MaskedNode) for p in parts
+    )
+
+  return jax.tree.map(lambda x: placeholder() if is_slot(x) else x, full, is_leaf=is_slot)
 
 
 def _one_level(x: Any) -> tuple[list[Any], Any]:
@@ -118,12 +160,14 @@ class StateLayout:
 
   def __init__(self, inner: optax.GradientTransformation, params_treedef: Any):
     try:
-      template = inner.init(placeholder())
+      template = state_template(inner, params_treedef)
     except Exception as e:
       raise TypeError(
         "offload: the inner transformation's state cannot be split per parameter (its init failed on "
         f"optax's params placeholder: {type(e).__name__}: {e}). Transformations whose state is not "
-        "a tree of per-parameter parts plus shared leaves cannot be offloaded."
+        "a tree of per-parameter parts plus shared leaves cannot be offloaded; a mask or labels "
+        "given as a function that reads the params' leaves can be given as a pytree instead, "
+        "e.g. optax.multi_transform(transforms, labels_fn(params))."
       ) from e
     self._inner = inner
     self._skeletons: dict[Any, list[PerLeaf]] = {}  # by params' tree structure

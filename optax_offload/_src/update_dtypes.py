@@ -40,7 +40,7 @@ def with_update_dtypes(
 
   def init_fn(params):
     state = inner.init(params)
-    if layout_lib.is_placeholder(params):
+    if layout_lib.asks_for_layout(params):
       return state
     try:
       after = jax.eval_shape(

@@ -455,7 +455,8 @@ class _Step:
     if same is None:
       raise ValueError(
         "value_and_update: the optimizer cannot update a layer stack's leaves as a tuple of "
-        "their own, as value_and_update does (a mask or labels given as a pytree?); " + fix
+        "their own, as value_and_update does (a mask or labels given as a pytree, or by a function "
+        "of the params' dicts?); " + fix
       )
     for i, ok in zip(stack_leaves, same):
       if not ok:
