@@ -273,6 +273,26 @@ def test_a_leaf_of_no_elements(params):
   assert_close(want[0], got[0])
 
 
+def test_an_update_not_finite_in_plain_optax_is_not_called_not_separable():
+  # fp16 params with adam's default eps: plain optax's update is not finite (eps underflows). The
+  # separability check counted inf - inf as a difference and refused adamw as not separable.
+  rng = np.random.default_rng(0)
+  params = {
+    k: jnp.asarray(rng.normal(size=(64, 128)) * 0.1, dtype)
+    for k, dtype in (("a", jnp.bfloat16), ("b", jnp.float16), ("c", jnp.float32))
+  }
+  want = train(optax.adamw(1e-2), params, 2)[0]
+  got = train(oo.offload(optax.adamw(1e-2), window_bytes=20_000), params, 2)[0]
+  assert not np.all(np.isfinite(np.asarray(want["b"], np.float32)))
+  assert_close({k: want[k] for k in "ac"}, {k: got[k] for k in "ac"})
+  np.testing.assert_allclose(
+    np.asarray(want["b"], np.float32),
+    np.asarray(got["b"], np.float32),
+    rtol=float(jnp.finfo(jnp.float16).eps),
+    equal_nan=True,
+  )
+
+
 def test_learning_rate_schedule():
   sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 20)
   _compare_setups(optax.adamw(sched), oo.offload(optax.adamw(sched), window_bytes=SMALL_WINDOW))
