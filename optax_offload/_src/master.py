@@ -43,9 +43,10 @@ def check_master_dtype(params_leaves, paths, master_dtype) -> None:
     dtype = jnp.result_type(p)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(
-        f"master_dtype={jnp.dtype(master_dtype).name} was requested but param {path} has integer "
-        f"dtype {dtype.name}: master weights only apply to floating-point params. Keep integer "
-        "leaves out of the optimized params (e.g. optax.masked or nnx.Param filters)."
+        f"master_dtype={jnp.dtype(master_dtype).name} was requested but param {path} has dtype "
+        f"{dtype.name}, not a real floating-point dtype: master weights only apply to floating-"
+        "point params. Keep such leaves out of the optimized params (e.g. optax.masked or "
+        "nnx.Param filters)."
       )
     if jnp.finfo(dtype).bits > jnp.finfo(master_dtype).bits:
       raise ValueError(
