@@ -293,6 +293,17 @@ def test_an_update_not_finite_in_plain_optax_is_not_called_not_separable():
   )
 
 
+def test_labels_by_a_function_that_placeholders_mislead_are_refused_with_the_fix(params):
+  # On a tree of optax's params placeholders this function labels every leaf "b", so the layout
+  # does not fit the state; the refusal said so without saying what to do.
+  labels = lambda p: {k: "a" if getattr(v, "ndim", 0) == 2 else "b" for k, v in p.items()}  # noqa: E731
+  rules = {"a": optax.adam(1e-2), "b": optax.sgd(1e-2)}
+  with pytest.raises(TypeError, match=r"as a pytree instead.*labels_fn\(params\)"):
+    oo.offload(optax.multi_transform(rules, labels)).init(params)
+  want = train(optax.multi_transform(rules, labels), params, 2)[0]  # (the fix: labels as a tree)
+  assert_close(want, train(oo.offload(optax.multi_transform(rules, labels(params))), params, 2)[0])
+
+
 def test_learning_rate_schedule():
   sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 20)
   _compare_setups(optax.adamw(sched), oo.offload(optax.adamw(sched), window_bytes=SMALL_WINDOW))

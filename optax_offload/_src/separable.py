@@ -784,11 +784,13 @@ def check_separable(
         _compare(paths[i], avals[i].dtype, joint[i][-1], split[i][-1])
     except _NotSeparable:
       raise _NotSeparable(
-        f"offload: the inner transformation is not separable: a gradient of leaf {paths[nan_leaf]} that "
-        f"is not finite changes the update of leaf {paths[i]} (optax.apply_if_finite skips every "
-        "leaf's update then), and offload updates the leaves group by group. Put it around "
-        "offload: optax.apply_if_finite(oo.offload(optax.adamw(1e-3)), max_consecutive_errors). "
-        "If you are sure it is separable, pass check_separable=False."
+        "offload: the inner transformation is not separable: a gradient of leaf "
+        f"{paths[nan_leaf]} that is not finite changes the update of leaf {paths[i]} (as "
+        "optax.apply_if_finite, which skips every leaf's update then, or a global norm do), and "
+        "offload updates the leaves group by group. Put such a transformation around offload: "
+        "optax.apply_if_finite(oo.offload(optax.adamw(1e-3)), max_consecutive_errors), "
+        "optax.chain(optax.clip_by_global_norm(1.0), oo.offload(...)). If you are sure it is "
+        "separable, pass check_separable=False."
       ) from None
   if alike:  # (by identity a pass may not hold: what the code reads may have changed)
     learned.separable.add(asked)
