@@ -41,6 +41,16 @@ def placeholder() -> Any:
   return _compat.ParamsPlaceholder()
 
 
+def inits_on_a_placeholder(inner: optax.GradientTransformation) -> bool:
+  """Whether ``inner.init`` runs on optax's params placeholder (else `state_template` falls
+  back)."""
+  try:
+    inner.init(placeholder())
+    return True
+  except Exception:
+    return False
+
+
 def state_template(inner: optax.GradientTransformation, params_treedef: Any) -> Any:
   """``inner.init`` of optax's params placeholder: its state with a placeholder at each
   param-shaped subtree (`optax.tree_utils.tree_map_params`' trick).
@@ -210,10 +220,10 @@ class StateLayout:
     parts = self._treedef.flatten_up_to(state)
     per_slot = [param_parts(self.params_treedef, parts[j]) for j in self._param_slots]
     for j in self._param_slots:
-      self._slot_likes.setdefault(
-        (self.params_treedef, j),
-        param_tree(self.params_treedef, [None] * self.num_leaves, parts[j]),
-      )
+      if (self.params_treedef, j) not in self._slot_likes:
+        self._slot_likes[self.params_treedef, j] = param_tree(
+          self.params_treedef, [None] * self.num_leaves, parts[j]
+        )
     shared = [None if j in self._param_slots else p for j, p in enumerate(parts)]
     per_leaf = [tuple(slot[i] for slot in per_slot) for i in range(self.num_leaves)]
     return shared, per_leaf

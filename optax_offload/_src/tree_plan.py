@@ -192,15 +192,6 @@ def _placed_arrays(part: Any, size: int, min_size: int) -> list[Any]:
   return [x for x in arrays if math.prod(x.shape) >= min_size]
 
 
-def _inits_on_a_placeholder(inner) -> bool:
-  """Whether `inner`'s init runs on optax's params placeholder (`layout.state_template`)."""
-  try:
-    inner.init(layout_lib.placeholder())
-    return True
-  except Exception:
-    return False
-
-
 def derive_leaves(
   inner: optax.GradientTransformationExtraArgs,
   treedef: Any,
@@ -238,7 +229,7 @@ def derive_leaves(
       else " A mask or labels given as a function that reads the params' leaves (which the layout "
       "sees as optax's params placeholders) can be given as a pytree instead, e.g. "
       "optax.multi_transform(transforms, labels_fn(params))."
-      if not _inits_on_a_placeholder(inner)
+      if not layout_lib.inits_on_a_placeholder(inner)
       else ""
     )
     raise TypeError(
