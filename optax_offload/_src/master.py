@@ -38,16 +38,11 @@ def needs_master(dtype: Any, master_dtype: Any) -> bool:
 
 
 def check_master_dtype(params_leaves, paths, master_dtype) -> None:
-  """Raises a clear error when master weights make no sense for a leaf."""
+  """Raises a clear error when a master copy would be narrower than a floating leaf."""
   for path, p in zip(paths, params_leaves):
     dtype = jnp.result_type(p)
     if not jnp.issubdtype(dtype, jnp.floating):
-      raise ValueError(
-        f"master_dtype={jnp.dtype(master_dtype).name} was requested but param {path} has dtype "
-        f"{dtype.name}, not a real floating-point dtype: master weights only apply to floating-"
-        "point params. Keep such leaves out of the optimized params (e.g. optax.masked or "
-        "nnx.Param filters)."
-      )
+      continue  # (an integer or complex param gets no master copy, as a float32 one)
     if jnp.finfo(dtype).bits > jnp.finfo(master_dtype).bits:
       raise ValueError(
         f"master_dtype={jnp.dtype(master_dtype).name} is narrower than param {path}'s dtype "
