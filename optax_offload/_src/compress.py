@@ -423,8 +423,8 @@ def with_moment_dtype(
   `optax.tree_utils.tree_map_params` maps), alone under their param, that have its shape and a
   dtype wider than `moment_dtype`: Adam's ``mu`` and ``nu``, momentum's ``trace``, Lion's ``mu``,
   ... . Step counts, hyper-parameters, adafactor's factored rows and columns, sm3's lists of
-  accumulators and leaves already narrow are kept as they are; under `offload`'s ``master_dtype`` the master copy is outside this state and stays in
-  its dtype. (An inner state that keeps a param-shaped copy of the params, e.g. lookahead's slow
+  accumulators and leaves already narrow are kept as they are; under `offload`'s ``master_dtype``
+  the master copy is outside this state and stays in its dtype. (An inner state that keeps a param-shaped copy of the params, e.g. lookahead's slow
   weights, is rounded too: wrap only the part that holds moments.)
 
   ``update`` widens the moments to the dtype ``inner.init`` gives them for the params (for the

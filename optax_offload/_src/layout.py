@@ -41,16 +41,6 @@ def placeholder() -> Any:
   return _compat.ParamsPlaceholder()
 
 
-def inits_on_a_placeholder(inner: optax.GradientTransformation) -> bool:
-  """Whether ``inner.init`` runs on optax's params placeholder (else `state_template` falls
-  back)."""
-  try:
-    inner.init(placeholder())
-    return True
-  except Exception:
-    return False
-
-
 def state_template(inner: optax.GradientTransformation, params_treedef: Any) -> Any:
   """``inner.init`` of optax's params placeholder: its state with a placeholder at each
   param-shaped subtree (`optax.tree_utils.tree_map_params`' trick).
@@ -66,8 +56,13 @@ def state_template(inner: optax.GradientTransformation, params_treedef: Any) -> 
   >>> is_placeholder(template.inner_states["w"].inner_state[0].mu)
   True
   """
+  return _template(inner, params_treedef)[0]
+
+
+def _template(inner: optax.GradientTransformation, params_treedef: Any) -> tuple[Any, bool]:
+  """`state_template`, and whether it comes from the placeholders at the leaves."""
   try:
-    return inner.init(placeholder())
+    return inner.init(placeholder()), False
   except Exception as e:
     failed = e
   try:
@@ -84,7 +79,7 @@ def state_template(inner: optax.GradientTransformation, params_treedef: Any) -> 
       is_placeholder(p) or isinstance(p, optax.MaskedNode) for p in parts
     )
 
-  return jax.tree.map(lambda x: placeholder() if is_slot(x) else x, full, is_leaf=is_slot)
+  return jax.tree.map(lambda x: placeholder() if is_slot(x) else x, full, is_leaf=is_slot), True
 
 
 def _one_level(x: Any) -> tuple[list[Any], Any]:
@@ -170,7 +165,7 @@ class StateLayout:
 
   def __init__(self, inner: optax.GradientTransformation, params_treedef: Any):
     try:
-      template = state_template(inner, params_treedef)
+      template, self.template_from_leaves = _template(inner, params_treedef)
     except Exception as e:
       raise TypeError(
         "offload: the inner transformation's state cannot be split per parameter (its init failed on "

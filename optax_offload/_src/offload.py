@@ -102,9 +102,10 @@ def offload(
       ``"host"`` runs each group's update on the host next to its state (ZeRO-Offload style): only
       gradients go to the host and updates come back.
     master_dtype: e.g. ``jnp.float32``: keep a master copy of every param narrower than it (bf16,
-      fp16; not of integer params) in the offloaded state; the inner transformation updates the master, and the returned
-      updates (in ``master_dtype``) make ``optax.apply_updates(params, updates)`` equal the master
-      rounded to the param dtype. `master_params` reads the masters.
+      fp16; not of integer params) in the offloaded state; the inner transformation updates the
+      master, and the returned updates (in ``master_dtype``) make
+      ``optax.apply_updates(params, updates)`` equal the master rounded to the param dtype.
+      `master_params` reads the masters.
     min_size: leaves with fewer elements keep their state on the device.
     window_bytes: the most device memory the update's state takes at once: each group holds at
       most ``window_bytes / 2.25`` of offloaded state (the group updated, the one in transit and

@@ -229,7 +229,7 @@ def derive_leaves(
       else " A mask or labels given as a function that reads the params' leaves (which the layout "
       "sees as optax's params placeholders) can be given as a pytree instead, e.g. "
       "optax.multi_transform(transforms, labels_fn(params))."
-      if not layout_lib.inits_on_a_placeholder(inner)
+      if layout.template_from_leaves
       else ""
     )
     raise TypeError(
