@@ -170,3 +170,57 @@ def test_host_limit_counts_every_local_shard():
   with pytest.raises(ValueError, match=f"needs .* \\({held} bytes\\) of host"):
     oo.offload(optax.adamw(1e-2), host_limit=held // 2).init(params)
   assert oo.footprint(oo.offload(optax.adamw(1e-2), host_limit=held).init(params))["host"] == held
+
+
+@pytest.mark.parametrize(
+  "axis_type, spec, tier",
+  [
+    ("Auto", P("fsdp", None), "host"),
+    ("Auto", P(None, "fsdp"), "host"),
+    ("Explicit", P("fsdp", None), "host"),
+    ("Explicit", P(None, "fsdp"), "host"),
+    ("Auto", P("fsdp", None), "nvme"),
+    ("Explicit", P("fsdp", None), "nvme"),
+  ],
+  ids=lambda v: {P("fsdp", None): "rows", P(None, "fsdp"): "columns"}.get(v, v),
+)
+def test_a_sharded_step_compiles_once_and_keeps_inits_placement(axis_type, spec, tier, tmp_path):
+  """The state a jitted step returns is placed as init placed it, so the step has one program and
+  a state restored into init's placement runs that program. Failed before: on Auto axes a spec
+  with a trailing None (jax returns P("fsdp") for the host-tier arrays) and 8-bit moments' block
+  scales (replicated by init, returned sharded along the rows); on Explicit axes 8-bit moments
+  (init raised: jax refused the quantization's reshapes and lookups) and the NVMe tier's
+  placeholders (returned as P() where init placed P(None))."""
+  mesh = jax.make_mesh(
+    (4,),
+    ("fsdp",),
+    devices=jax.devices()[:4],
+    axis_types=(getattr(jax.sharding.AxisType, axis_type),),
+  )
+  big = make_params()["big"]
+  params = {
+    "w": jax.device_put(big[:256].astype(jnp.bfloat16), NamedSharding(mesh, spec)),
+    "v": jax.device_put(big[:64, :128], NamedSharding(mesh, spec)),
+  }
+  one_device = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), params)
+  for moment_dtype in (None, "int8"):
+    results = []
+    for start in (params, one_device):
+      nvme = {"host_limit": 0, "nvme_dir": tmp_path / f"{moment_dtype}{len(results)}"}
+      tx = oo.offload(
+        optax.adam(1e-2),
+        master_dtype=jnp.float32,
+        moment_dtype=moment_dtype,
+        **(nvme if tier == "nvme" else {}),
+      )
+      state = tx.init(start)
+      placed = jax.tree.map(lambda x: x.sharding, state)
+      step = _jitted_step(tx)
+      p = start
+      for t in range(3):
+        grads = jax.tree.map(lambda g, x: jax.device_put(g, x.sharding), make_grads(p, t), start)
+        p, state = step(p, state, grads)
+      assert jax.tree.map(lambda x: x.sharding, state) == placed
+      assert step._cache_size() == 1
+      results.append(p)
+    assert_close(results[1], results[0])  # sharded as on one device

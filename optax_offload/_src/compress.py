@@ -181,6 +181,24 @@ def _blocks(x: jax.Array) -> jax.Array:
   return x.reshape(*x.shape[:-1], nb, BLOCK)
 
 
+def _on_auto_axes(fun, arrays: tuple[jax.Array, ...], out_sharding) -> Any:
+  """``fun(*arrays)``, with Explicit mesh axes made Auto inside it (`jax.sharding.auto_axes`) and
+  its result placed by ``out_sharding(sharding of the first array)``: under Explicit axes jax
+  refuses a sharded moment's reshapes into blocks and its table lookups without a sharding for
+  each result, which the compiler propagates well."""
+  sharding = jax.typeof(arrays[0]).sharding
+  if not memory.on_explicit_axes(sharding):
+    return fun(*arrays)
+  return jax.sharding.auto_axes(fun, out_sharding=out_sharding(sharding))(*arrays)
+
+
+def _scales_sharding(sharding: jax.sharding.NamedSharding, ndim: int):
+  """Where a moment's block scales go: the codes' sharding on the leading axes, none on the last
+  (blocks)."""
+  spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-1], None))
+
+
 # Jitted, as `dequantize`: a step or a probe that quantizes many moments of one shape traces it once
 # (inlined into the caller's program: the same HLO); eagerly, one program, not one per op (an
 # eager int8 init ran about 150 small compiles, 7 s of a 4-layer decoder's init, op by op).
@@ -198,6 +216,14 @@ def quantize(x: jax.Array, signed: bool) -> QuantizedMoment:
     >>> [float(f"{v:.6g}") for v in dequantize(q)[0]]  # the nearest map values
     [0.500781, -0.992969, 0.0, 0.00184375]
   """
+  return _on_auto_axes(
+    functools.partial(_quantize, signed=signed),
+    (x,),
+    lambda s: QuantizedMoment(s, _scales_sharding(s, x.ndim)),
+  )
+
+
+def _quantize(x: jax.Array, signed: bool) -> QuantizedMoment:
   n = x.shape[-1]
   blocks = _blocks(x.astype(jnp.float32))
   scales = jnp.max(jnp.abs(blocks), axis=-1)
@@ -233,9 +259,13 @@ def dequantize(q: QuantizedMoment) -> jax.Array:
       f"{scales.shape}."
     )
   signed = jnp.dtype(codes.dtype) == jnp.int8
-  index = codes.astype(jnp.int32) + (128 if signed else 0)
-  values = jnp.asarray(dynamic_map(signed))[_blocks(index)]
-  return (values * scales[..., None]).reshape(*codes.shape[:-1], -1)[..., :n]
+
+  def read(codes, scales):
+    index = codes.astype(jnp.int32) + (128 if signed else 0)
+    values = jnp.asarray(dynamic_map(signed))[_blocks(index)]
+    return (values * scales[..., None]).reshape(*codes.shape[:-1], -1)[..., :n]
+
+  return _on_auto_axes(read, (codes, scales), lambda s: s)
 
 
 def quantized_nbytes(shape: tuple[int, ...]) -> int:

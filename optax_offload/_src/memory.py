@@ -51,6 +51,13 @@ def kind_is_host(sharding: Any) -> bool:
   return getattr(sharding, "memory_kind", None) in HOST_KINDS
 
 
+def on_explicit_axes(sharding: Any) -> bool:
+  """Whether `sharding` is a NamedSharding over Explicit mesh axes (`jax.make_mesh`'s default),
+  where an array's type carries its sharding."""
+  mesh = getattr(sharding, "mesh", None)
+  return jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
+
+
 def replicated(
   sharding: jax.sharding.NamedSharding, memory_kind: str | None = None
 ) -> jax.sharding.NamedSharding:

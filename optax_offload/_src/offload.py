@@ -435,6 +435,7 @@ class _Offloaded:
           "tx.update(grads, state, params).)"
         ) from e
       raise
+    new_shared, new_per_leaf = setup_lib.pin_device_state(setup, new_shared, new_per_leaf)
     new_state = state._replace(
       inner=layout.merge(new_shared, new_per_leaf), nvme_generation=new_generation
     )

@@ -82,7 +82,38 @@ def host_sharding(sharding: Any, part_shape: tuple[int, ...], param_shape: tuple
   """
   if tuple(part_shape) != tuple(param_shape) and isinstance(sharding, jax.sharding.NamedSharding):
     sharding = memory.replicated(sharding)
-  return sharding.with_memory_kind("pinned_host")
+  return as_returned(sharding.with_memory_kind("pinned_host"), len(part_shape))
+
+
+def as_returned(sharding: Any, ndim: int) -> Any:
+  """A NamedSharding spelled as a jitted function returns it for an array of `ndim` axes.
+
+  On Explicit mesh axes (`jax.make_mesh`'s default) an output's sharding is its type's: a spec of
+  `ndim` entries. On Auto axes jax keeps an output's sharding as given only where it matches the
+  first input's; others come back in XLA's form, with no trailing None. An array placed so keeps
+  one spelling from step to step: ``P("x", None)`` for a host-tier array made a jitted step
+  compile a second program.
+
+  Examples:
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> auto = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,))
+    >>> explicit = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+    >>> as_returned(NamedSharding(auto, P("x", None)), 2).spec
+    P('x',)
+    >>> as_returned(NamedSharding(explicit, P("x")), 2).spec
+    P('x', None)
+  """
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  spec = tuple(sharding.spec)
+  if memory.on_explicit_axes(sharding):
+    spec += (None,) * (ndim - len(spec))
+  else:
+    while spec and spec[-1] is None:
+      spec = spec[:-1]
+  return jax.sharding.NamedSharding(
+    sharding.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind
+  )
 
 
 def map_arrays(part: Any, tiers: Sequence[plan_lib.Tier], fn) -> Any:
@@ -220,14 +251,9 @@ def named_sharding(sharding: Any) -> jax.sharding.NamedSharding:
   )
 
 
-def state_shardings(setup: Setup, layout, abstract_inner: Any, shardings, named: bool):
-  """A sharding for every array of an inner state, and the default one (for the handles).
-
-  Offloaded parts take their param's sharding in pinned host memory; parts shaped like their param
-  its sharding on the device; other parts and the shared leaves are replicated (on the params'
-  mesh, or on the first param's device). With `named`, one-device shardings become NamedShardings
-  of a one-device mesh (what abstract tracing needs in jax 0.10).
-  """
+def _default_sharding(shardings, named: bool) -> Any:
+  """Where the state's shared leaves and handles live: replicated on the params' mesh, or the
+  first param's device."""
   default = next((s for s in shardings if s is not None), None)
   if default is None:
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -236,10 +262,26 @@ def state_shardings(setup: Setup, layout, abstract_inner: Any, shardings, named:
   elif not isinstance(default, jax.sharding.SingleDeviceSharding):
     default = jax.sharding.SingleDeviceSharding(next(iter(default.device_set)))
   default = default.with_memory_kind("device")
-  if named:
-    default = named_sharding(default)
-  shared, per_leaf = layout.split(abstract_inner)
-  shared = [jax.tree.map(lambda _: default, s) for s in shared]
+  return named_sharding(default) if named else default
+
+
+def _array_sharding(tier, x, sharding, param_shape, default):
+  """Where one array of a leaf's state part lives (`state_shardings`' rule)."""
+  if tier is plan_lib.Tier.HOST:
+    return host_sharding(sharding, x.shape, param_shape)
+  if tier is plan_lib.Tier.NVME or tuple(x.shape) != tuple(param_shape):
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      return as_returned(memory.replicated(sharding), len(x.shape))
+    return default
+  if memory.on_explicit_axes(sharding):
+    return as_returned(sharding, len(x.shape))
+  return sharding  # (on Auto axes, returned as given where the param is the step's first input)
+
+
+def _split_shardings(setup: Setup, shared, per_leaf, shardings, named: bool):
+  """`state_shardings` of a split state: the shared leaves', each leaf part's, the default."""
+  default = _default_sharding(shardings, named)
+  shared = [jax.tree.map(lambda x: as_returned(default, len(x.shape)), s) for s in shared]
   placed = []
   for part, tiers, aval, sharding in zip(
     per_leaf, setup.array_tiers, setup.param_shapes, shardings
@@ -247,15 +289,56 @@ def state_shardings(setup: Setup, layout, abstract_inner: Any, shardings, named:
     sharding = default if sharding is None else sharding.with_memory_kind("device")
     if named:
       sharding = named_sharding(sharding)
+    placed.append(
+      map_arrays(
+        part, tiers, lambda t, j, x, s=sharding, a=aval: _array_sharding(t, x, s, a, default)
+      )
+    )
+  return shared, placed, default
 
-    def spec(tier, j, x, sharding=sharding, shape=aval):
-      if tier is plan_lib.Tier.HOST:
-        return host_sharding(sharding, x.shape, shape)
-      if tier is plan_lib.Tier.NVME or tuple(x.shape) != tuple(shape):
-        if isinstance(sharding, jax.sharding.NamedSharding):
-          return memory.replicated(sharding)
-        return default
-      return sharding
 
-    placed.append(map_arrays(part, tiers, spec))
+def state_shardings(setup: Setup, layout, abstract_inner: Any, shardings, named: bool):
+  """A sharding for every array of an inner state, and the default one (for the handles).
+
+  Offloaded parts take their param's sharding in pinned host memory; parts shaped like their param
+  its sharding on the device; other parts and the shared leaves are replicated (on the params'
+  mesh, or on the first param's device). Each is spelled as a jitted step returns it
+  (`as_returned`). With `named`, one-device shardings become NamedShardings of a one-device mesh
+  (what abstract tracing needs in jax 0.10).
+  """
+  shared, placed, default = _split_shardings(setup, *layout.split(abstract_inner), shardings, named)
   return layout.merge(shared, placed), default
+
+
+def _pin(x: jax.Array, sharding: Any) -> jax.Array:
+  if memory.on_explicit_axes(sharding):
+    return jax.sharding.reshard(x, sharding)  # (the type's sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def pin_device_state(setup: Setup, shared, per_leaf):
+  """The update's new state on the device, constrained to where `init` placed it
+  (`state_shardings`).
+
+  XLA's sharding propagation may give an array not shaped like its param another sharding than
+  `init`'s replicated one (8-bit moments' block scales of a leaf sharded along its rows came back
+  sharded along them): a jitted step would then compile a second program for its second call, and
+  a state restored into `init`'s placement would run the first one again, which may round
+  differently. Only params sharded over several devices are pinned; host-tier arrays are placed
+  by the update itself.
+  """
+  if not any(
+    isinstance(s, jax.sharding.NamedSharding) and not _one_device(s) for s in setup.shardings
+  ):
+    return shared, per_leaf
+  shared_at, placed, _ = _split_shardings(setup, shared, per_leaf, setup.shardings, named=False)
+  shared = [jax.tree.map(_pin, s, at) for s, at in zip(shared, shared_at)]
+  pinned = []
+  for part, at, tiers in zip(per_leaf, placed, setup.array_tiers):
+    at = jax.tree.leaves(at)  # (NVMe-tier arrays are placeholders on the device: pinned too)
+    pinned.append(
+      map_arrays(
+        part, tiers, lambda t, j, x, at=at: x if t is plan_lib.Tier.HOST else _pin(x, at[j])
+      )
+    )
+  return shared, pinned
