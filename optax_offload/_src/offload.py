@@ -436,6 +436,8 @@ class _Offloaded:
         ) from e
       raise
     new_shared, new_per_leaf = setup_lib.pin_device_state(setup, new_shared, new_per_leaf)
+    if apply:
+      new_updates = setup_lib.pin_device_params(setup, new_updates)
     new_state = state._replace(
       inner=layout.merge(new_shared, new_per_leaf), nvme_generation=new_generation
     )

@@ -281,7 +281,7 @@ def _array_sharding(tier, x, sharding, param_shape, default):
 def _split_shardings(setup: Setup, shared, per_leaf, shardings, named: bool):
   """`state_shardings` of a split state: the shared leaves', each leaf part's, the default."""
   default = _default_sharding(shardings, named)
-  shared = [jax.tree.map(lambda x: as_returned(default, len(x.shape)), s) for s in shared]
+  shared = [jax.tree.map(lambda x: as_returned(default, jnp.ndim(x)), s) for s in shared]
   placed = []
   for part, tiers, aval, sharding in zip(
     per_leaf, setup.array_tiers, setup.param_shapes, shardings
@@ -316,6 +316,13 @@ def _pin(x: jax.Array, sharding: Any) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _sharded(setup: Setup) -> bool:
+  """Whether some param is sharded over several devices (a NamedSharding)."""
+  return any(
+    isinstance(s, jax.sharding.NamedSharding) and not _one_device(s) for s in setup.shardings
+  )
+
+
 def pin_device_state(setup: Setup, shared, per_leaf):
   """The update's new state on the device, constrained to where `init` placed it
   (`state_shardings`).
@@ -327,9 +334,7 @@ def pin_device_state(setup: Setup, shared, per_leaf):
   differently. Only params sharded over several devices are pinned; host-tier arrays are placed
   by the update itself.
   """
-  if not any(
-    isinstance(s, jax.sharding.NamedSharding) and not _one_device(s) for s in setup.shardings
-  ):
+  if not _sharded(setup):
     return shared, per_leaf
   shared_at, placed, _ = _split_shardings(setup, shared, per_leaf, setup.shardings, named=False)
   shared = [jax.tree.map(_pin, s, at) for s, at in zip(shared, shared_at)]
@@ -342,3 +347,18 @@ def pin_device_state(setup: Setup, shared, per_leaf):
       )
     )
   return shared, pinned
+
+
+def pin_device_params(setup: Setup, params: Sequence[Any]) -> list[Any]:
+  """New params on the device (`update_and_apply`'s, `value_and_update`'s), constrained to the
+  shardings the params had at `init`, as `pin_device_state` pins the state: a replicated norm's
+  scale came back sharded along the mesh (plain optax's step too), so the step compiled twice.
+  Params in host memory (a layer stack) are placed by the update itself."""
+  if not _sharded(setup):
+    return list(params)
+  return [
+    x
+    if x is None or memory.in_host(x) or memory.kind_is_host(s) or s is None
+    else _pin(x, s.with_memory_kind("device"))
+    for x, s in zip(params, setup.shardings)
+  ]

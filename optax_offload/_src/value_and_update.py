@@ -410,6 +410,8 @@ class _Step:
       )
     if k > 1:
       value = _mean_value(value, value_sum, k, self.has_aux)
+    new_shared, new_per_leaf = setup_lib.pin_device_state(self.setup, new_shared, new_per_leaf)
+    new_leaves = setup_lib.pin_device_params(self.setup, new_leaves)
     new_inner = layout.merge(new_shared, new_per_leaf)
     new_off = off_state._replace(inner=new_inner)
     if self.traced is not None:
