@@ -271,3 +271,39 @@ def test_a_decoder_step_on_a_mesh_compiles_once():
     assert step._cache_size() == 1, name
     got = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), params)
     assert_close(want, got)
+
+
+@pytest.mark.parametrize("options", ["update_on_host", "int8_in_row_slices"])
+def test_explicit_axes_train_as_one_device(options):
+  """On Explicit mesh axes, where jax wants every reshape's and write's sharding: the host update
+  of a leaf sharded along its columns (its flat gradients raised "This reshape is not supported"),
+  and 8-bit moments updated in row slices beside other leaves with update_and_apply (a slice's
+  new block scales, sharded like its rows, could not be written into the replicated ones). Both
+  failed while tracing; both now train as on one device, and the step compiles once."""
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])  # Explicit axes
+  shapes = {
+    "cols": ((64, 128), P(None, "x")),
+    "rows": ((128, 64), P("x", None)),
+    "stack": ((3, 64, 64), P(None, "x", None)),
+    "rep": ((64, 96), P(None, None)),  # (spelled as jax returns it: P() came back so)
+  }
+  rng = np.random.default_rng(0)
+  host = {k: (0.1 * rng.normal(size=shape)).astype(np.float32) for k, (shape, _) in shapes.items()}
+  kwargs = {"update_on": "host"} if options == "update_on_host" else {"moment_dtype": "int8"}
+  results = []
+  for sharded in (True, False):
+
+    def put(tree, sharded=sharded):
+      if not sharded:
+        return jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), tree)
+      return {k: jax.device_put(x, NamedSharding(mesh, shapes[k][1])) for k, x in tree.items()}
+
+    params = put(host)
+    tx = oo.offload(optax.adam(1e-2), window_bytes=100_000, **kwargs)
+    state = tx.init(params)
+    step = jax.jit(lambda p, s, g, tx=tx: oo.update_and_apply(tx, g, s, p))
+    for t in range(3):
+      params, state = step(params, state, put(make_grads(host, t)))
+    assert step._cache_size() == 1
+    results.append(params)
+  assert_close(results[1], results[0])

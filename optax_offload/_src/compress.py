@@ -193,10 +193,10 @@ def _on_auto_axes(fun, arrays: tuple[jax.Array, ...], out_sharding) -> Any:
 
 
 def _scales_sharding(sharding: jax.sharding.NamedSharding, ndim: int):
-  """Where a moment's block scales go: the codes' sharding on the leading axes, none on the last
-  (blocks)."""
-  spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-1], None))
+  """Where a moment's block scales go on Explicit axes: replicated, as `offload`'s init places an
+  array not shaped like its param (sharded like the codes' rows, a row slice's new scales could
+  not be written into the whole moment's)."""
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*[None] * ndim))
 
 
 # Jitted, as `dequantize`: a step or a probe that quantizes many moments of one shape traces it once

@@ -834,6 +834,26 @@ def _loop(r: _Run, loop: LoopRange, bufs, prev_bufs, token):
   return {(0, j): x for j, x in cur.items()}, {(0, j): x for j, x in prev.items()}, token
 
 
+def _flat(x: jax.Array) -> jax.Array:
+  """`x` as a 1-D array, as it crosses to and from a host computation. On Explicit mesh axes,
+  where jax wants the result's sharding, an array sharded on an axis after its first is gathered
+  first (a flat array cannot be sharded so)."""
+  sharding = jax.typeof(x).sharding
+  if memory.on_explicit_axes(sharding) and any(a is not None for a in tuple(sharding.spec)[1:]):
+    x = jax.sharding.reshard(
+      x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    )
+  return x.reshape(-1)
+
+
+def _unflat(x: jax.Array, shape: tuple[int, ...], like: Any) -> jax.Array:
+  """`x` (`_flat`'s) in `shape`, sharded as the type sharding `like` (on Explicit mesh axes)."""
+  x = x.reshape(shape)
+  if like is not None and memory.on_explicit_axes(like) and jax.typeof(x).sharding != like:
+    x = jax.sharding.reshard(x, like)
+  return x
+
+
 def _run_on_host(r: _Run, nvme, token):
   """Each group's update runs on the host next to its state; updates come back group by group.
 
@@ -849,16 +869,18 @@ def _run_on_host(r: _Run, nvme, token):
     local_grads, local_params, local_arrays = {}, {}, {}
     in_place: dict[Key, tuple[int, int]] = {}  # host arrays of row slices: (start, stop)
     shapes: dict[int, tuple[int, ...]] = {}  # each piece's shape
+    likes: dict[int, Any] = {}  # and its type's sharding
     for piece in unit:
       i = piece.leaf
       start, stop = r.piece_rows(piece)
       # Gradients, params and updates cross as flat arrays: a 2-D array's device layout (a
       # transposed one, from a matmul's backward) need not match what XLA:GPU's host call expects,
       # and its layout assignment fails ("async shape ... to match"); a 1-D array has one layout.
-      local_grads[i] = memory.to_space(_slice(r.grads[i], start, stop).reshape(-1), HOST)
+      local_grads[i] = memory.to_space(_flat(_slice(r.grads[i], start, stop)), HOST)
       shapes[i] = _slice(r.grads[i], start, stop).shape
+      likes[i] = jax.typeof(_slice(r.grads[i], start, stop)).sharding
       if r.params is not None:
-        local_params[i] = memory.to_space(_slice(r.params[i], start, stop).reshape(-1), HOST)
+        local_params[i] = memory.to_space(_flat(_slice(r.params[i], start, stop)), HOST)
       for j, tier in enumerate(spec.array_tiers[i]):
         if tier is Tier.NVME:  # the store hands over the piece's rows
           x = fetched[(i, j)]
@@ -872,10 +894,10 @@ def _run_on_host(r: _Run, nvme, token):
         local_arrays[(i, j)] = x if tier is Tier.HOST else memory.to_space(x, HOST)
     shared = memory.to_space(r.shared_in, HOST)
 
-    def group_update(grads, params, arrays, shared, *, k, unit, in_place, shapes):
-      grads = {i: g.reshape(shapes[i]) for i, g in grads.items()}
+    def group_update(grads, params, arrays, shared, *, k, unit, in_place, shapes, likes):
+      grads = {i: _unflat(g, shapes[i], likes[i]) for i, g in grads.items()}
       if params is not None:
-        params = {i: p.reshape(shapes[i]) for i, p in params.items()}
+        params = {i: _unflat(p, shapes[i], likes[i]) for i, p in params.items()}
       whole = tuple(Piece(p.leaf) for p in unit)
       local_spec = dataclasses.replace(spec, units=(whole,), chunks=(r.chunks(k),))
       views = {
@@ -907,11 +929,13 @@ def _run_on_host(r: _Run, nvme, token):
         else local.arrays[key]
         for key in arrays
       }
-      flat = {i: u.reshape(-1) for i, u in local.updates.items()}
+      flat = {i: _flat(u) for i, u in local.updates.items()}
       return flat, out, local.new_shared
 
     updates, arrays, new_shared = host_compute.run_on_host(
-      functools.partial(group_update, k=k, unit=unit, in_place=in_place, shapes=shapes),
+      functools.partial(
+        group_update, k=k, unit=unit, in_place=in_place, shapes=shapes, likes=likes
+      ),
       local_grads,
       local_params if r.params is not None else None,
       local_arrays,
@@ -923,7 +947,7 @@ def _run_on_host(r: _Run, nvme, token):
     for piece in unit:
       i = piece.leaf
       start, stop = r.piece_rows(piece)
-      u = memory.to_space(updates[i], DEVICE).reshape(shapes[i])
+      u = _unflat(memory.to_space(updates[i], DEVICE), shapes[i], likes[i])
       r.put_update(i, u, ((start, stop),), piece.whole)
       for j, tier in enumerate(spec.array_tiers[i]):
         x = arrays[(i, j)]
