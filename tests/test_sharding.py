@@ -307,3 +307,43 @@ def test_explicit_axes_train_as_one_device(options):
     assert step._cache_size() == 1
     results.append(params)
   assert_close(results[1], results[0])
+
+
+@pytest.mark.parametrize("case", ["host_param_first", "init_again_elsewhere"])
+def test_the_state_follows_the_latest_init_as_spelled(case):
+  """Two placements the pinning (above) first got wrong, found in review: a param in pinned host
+  memory spelled with a trailing None, the step's first input (jax spells outputs equivalent to it
+  as it: its state must keep that spelling), and a second init of the same tx with the params
+  placed otherwise (the update pinned the state, and the params, to the first init's)."""
+  mesh = jax.make_mesh(
+    (4,), ("x",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  rng = np.random.default_rng(0)
+  host = {
+    "a": (0.1 * rng.normal(size=(4, 64, 64))).astype(np.float32),
+    "b": (0.1 * rng.normal(size=(64, 64))).astype(np.float32),
+  }
+  if case == "host_param_first":
+    specs = {"a": (P(None, "x", None), "pinned_host"), "b": (P("x"), "device")}
+  else:
+    specs = {"a": (P("x"), "device"), "b": (P("x"), "device")}
+
+  def put(tree, kinds=True):
+    return {
+      k: jax.device_put(
+        x, NamedSharding(mesh, specs[k][0], memory_kind=specs[k][1] if kinds else "device")
+      )
+      for k, x in tree.items()
+    }
+
+  tx = oo.offload(optax.adam(1e-2), min_size=1024)
+  if case == "init_again_elsewhere":
+    tx.init(jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), host))
+  params = put(host)
+  state = tx.init(params)
+  placed = jax.tree.map(lambda x: x.sharding, (params, state))
+  step = jax.jit(lambda p, s, g: oo.update_and_apply(tx, g, s, p))
+  for t in range(3):
+    params, state = step(params, state, put(make_grads(host, t), kinds=False))
+  assert jax.tree.map(lambda x: x.sharding, (params, state)) == placed
+  assert step._cache_size() == 1

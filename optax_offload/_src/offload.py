@@ -261,7 +261,10 @@ class _Offloaded:
     key = tuple(tuple(a.shape) for a in avals)
     old = self.setups.get(key)
     dtypes = tuple(jnp.dtype(a.dtype) for a in avals)
-    if old is not None and old.usable and old.dtypes == dtypes:
+    # A new placement plans again: the update pins its state to the setup's shardings.
+    if (
+      old is not None and old.usable and old.dtypes == dtypes and old.shardings == tuple(shardings)
+    ):
       return old
     options = self.options
     if self.host_memory is not None:
@@ -436,8 +439,6 @@ class _Offloaded:
         ) from e
       raise
     new_shared, new_per_leaf = setup_lib.pin_device_state(setup, new_shared, new_per_leaf)
-    if apply:
-      new_updates = setup_lib.pin_device_params(setup, new_updates)
     new_state = state._replace(
       inner=layout.merge(new_shared, new_per_leaf), nvme_generation=new_generation
     )

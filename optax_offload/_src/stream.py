@@ -849,7 +849,7 @@ def _flat(x: jax.Array) -> jax.Array:
 def _unflat(x: jax.Array, shape: tuple[int, ...], like: Any) -> jax.Array:
   """`x` (`_flat`'s) in `shape`, sharded as the type sharding `like` (on Explicit mesh axes)."""
   x = x.reshape(shape)
-  if like is not None and memory.on_explicit_axes(like) and jax.typeof(x).sharding != like:
+  if memory.on_explicit_axes(like) and jax.typeof(x).sharding != like:
     x = jax.sharding.reshard(x, like)
   return x
 
@@ -876,9 +876,9 @@ def _run_on_host(r: _Run, nvme, token):
       # Gradients, params and updates cross as flat arrays: a 2-D array's device layout (a
       # transposed one, from a matmul's backward) need not match what XLA:GPU's host call expects,
       # and its layout assignment fails ("async shape ... to match"); a 1-D array has one layout.
-      local_grads[i] = memory.to_space(_flat(_slice(r.grads[i], start, stop)), HOST)
-      shapes[i] = _slice(r.grads[i], start, stop).shape
-      likes[i] = jax.typeof(_slice(r.grads[i], start, stop)).sharding
+      grads = _slice(r.grads[i], start, stop)
+      local_grads[i] = memory.to_space(_flat(grads), HOST)
+      shapes[i], likes[i] = grads.shape, jax.typeof(grads).sharding
       if r.params is not None:
         local_params[i] = memory.to_space(_flat(_slice(r.params[i], start, stop)), HOST)
       for j, tier in enumerate(spec.array_tiers[i]):

@@ -73,26 +73,36 @@ def device_memory() -> int | None:
   return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
 
 
-def host_sharding(sharding: Any, part_shape: tuple[int, ...], param_shape: tuple[int, ...]):
+def host_sharding(
+  sharding: Any,
+  part_shape: tuple[int, ...],
+  param_shape: tuple[int, ...],
+  param_on_host: bool = False,
+):
   """Sharding of an offloaded state part: the param's, in pinned host memory.
 
   The state keeps the kind of sharding its params have (a one-device param's state a
   SingleDeviceSharding), so that a jitted step's outputs have its inputs' shardings and the step
-  compiles once.
+  compiles once. It is spelled as a jitted step returns it (`as_returned`), except the state of a
+  param that lives in pinned host memory itself (`param_on_host`): that param may be the step's
+  first input, whose spelling jax gives every output equivalent to it.
   """
-  if tuple(part_shape) != tuple(param_shape) and isinstance(sharding, jax.sharding.NamedSharding):
+  same_shape = tuple(part_shape) == tuple(param_shape)
+  if not same_shape and isinstance(sharding, jax.sharding.NamedSharding):
     sharding = memory.replicated(sharding)
-  return as_returned(sharding.with_memory_kind("pinned_host"), len(part_shape))
+  sharding = sharding.with_memory_kind("pinned_host")
+  return sharding if param_on_host and same_shape else as_returned(sharding, len(part_shape))
 
 
 def as_returned(sharding: Any, ndim: int) -> Any:
   """A NamedSharding spelled as a jitted function returns it for an array of `ndim` axes.
 
   On Explicit mesh axes (`jax.make_mesh`'s default) an output's sharding is its type's: a spec of
-  `ndim` entries. On Auto axes jax keeps an output's sharding as given only where it matches the
-  first input's; others come back in XLA's form, with no trailing None. An array placed so keeps
-  one spelling from step to step: ``P("x", None)`` for a host-tier array made a jitted step
-  compile a second program.
+  `ndim` entries. On Auto axes jax spells an output equivalent to the step's first input (its
+  first with a NamedSharding, memory kind included) as that input; others come back in XLA's
+  form, with no trailing None. An array placed so keeps one spelling from step to step:
+  ``P("x", None)`` for a host-tier array beside device params made a jitted step compile a second
+  program.
 
   Examples:
     >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -265,17 +275,17 @@ def _default_sharding(shardings, named: bool) -> Any:
   return named_sharding(default) if named else default
 
 
-def _array_sharding(tier, x, sharding, param_shape, default):
+def _array_sharding(tier, x, sharding, param_shape, default, param_on_host):
   """Where one array of a leaf's state part lives (`state_shardings`' rule)."""
   if tier is plan_lib.Tier.HOST:
-    return host_sharding(sharding, x.shape, param_shape)
+    return host_sharding(sharding, x.shape, param_shape, param_on_host)
   if tier is plan_lib.Tier.NVME or tuple(x.shape) != tuple(param_shape):
     if isinstance(sharding, jax.sharding.NamedSharding):
       return as_returned(memory.replicated(sharding), len(x.shape))
     return default
   if memory.on_explicit_axes(sharding):
     return as_returned(sharding, len(x.shape))
-  return sharding  # (on Auto axes, returned as given where the param is the step's first input)
+  return sharding  # (on Auto axes, as the param: it may be the step's first input)
 
 
 def _split_shardings(setup: Setup, shared, per_leaf, shardings, named: bool):
@@ -286,14 +296,15 @@ def _split_shardings(setup: Setup, shared, per_leaf, shardings, named: bool):
   for part, tiers, aval, sharding in zip(
     per_leaf, setup.array_tiers, setup.param_shapes, shardings
   ):
+    on_host = memory.kind_is_host(sharding)
     sharding = default if sharding is None else sharding.with_memory_kind("device")
     if named:
       sharding = named_sharding(sharding)
-    placed.append(
-      map_arrays(
-        part, tiers, lambda t, j, x, s=sharding, a=aval: _array_sharding(t, x, s, a, default)
-      )
-    )
+
+    def where(t, j, x, sharding=sharding, aval=aval, on_host=on_host):
+      return _array_sharding(t, x, sharding, aval, default, on_host)
+
+    placed.append(map_arrays(part, tiers, where))
   return shared, placed, default
 
 
@@ -331,8 +342,8 @@ def pin_device_state(setup: Setup, shared, per_leaf):
   `init`'s replicated one (8-bit moments' block scales of a leaf sharded along its rows came back
   sharded along them): a jitted step would then compile a second program for its second call, and
   a state restored into `init`'s placement would run the first one again, which may round
-  differently. Only params sharded over several devices are pinned; host-tier arrays are placed
-  by the update itself.
+  differently. Pinned only where some param is sharded over several devices (then every
+  device-side array); host-tier arrays are placed by the update itself.
   """
   if not _sharded(setup):
     return shared, per_leaf
@@ -350,15 +361,15 @@ def pin_device_state(setup: Setup, shared, per_leaf):
 
 
 def pin_device_params(setup: Setup, params: Sequence[Any]) -> list[Any]:
-  """New params on the device (`update_and_apply`'s, `value_and_update`'s), constrained to the
-  shardings the params had at `init`, as `pin_device_state` pins the state: a replicated norm's
-  scale came back sharded along the mesh (plain optax's step too), so the step compiled twice.
+  """`value_and_update`'s new params on the device, constrained to the shardings the params had
+  at `init`, as `pin_device_state` pins the state: a replicated norm's scale came back sharded
+  along the mesh (plain optax's step with `jax.value_and_grad` too), so the step compiled twice.
   Params in host memory (a layer stack) are placed by the update itself."""
   if not _sharded(setup):
     return list(params)
   return [
     x
-    if x is None or memory.in_host(x) or memory.kind_is_host(s) or s is None
+    if x is None or s is None or memory.in_host(x) or memory.kind_is_host(s)
     else _pin(x, s.with_memory_kind("device"))
     for x, s in zip(params, setup.shardings)
   ]
