@@ -230,8 +230,9 @@ def test_a_decoder_step_on_a_mesh_compiles_once():
   """value_and_update (the stack updated in the backward pass) and update_and_apply return params
   and state placed as at init. value_and_update failed before: XLA gave the replicated final
   norm's scale, and its state, a sharding along the mesh (plain optax's step with
-  jax.value_and_grad does too), so the step compiled twice. update_and_apply is pinned alike
-  (here its step kept the placement before too). Both still equal plain optax."""
+  jax.value_and_grad does too), so the step compiled twice. update_and_apply pins its state
+  alike and leaves the params to XLA (here they kept their placement before too). Both still
+  equal plain optax."""
   import test_value_and_update as fused_tests
 
   from benchmarks import llama
