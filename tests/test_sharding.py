@@ -348,3 +348,26 @@ def test_the_state_follows_the_latest_init_as_spelled(case):
     params, state = step(params, state, put(make_grads(host, t), kinds=False))
   assert jax.tree.map(lambda x: x.sharding, (params, state)) == placed
   assert step._cache_size() == 1
+
+
+def test_the_host_update_on_explicit_axes_gathers_as_on_auto_axes():
+  """update_on="host" on a 2-D mesh: a leaf sharded along both axes crosses to the host gathered
+  along its later axis only, as XLA gathers it on Auto axes (it was gathered whole, to every
+  device, before review)."""
+  rng = np.random.default_rng(0)
+  host = {"b": (0.1 * rng.normal(size=(64, 128))).astype(np.float32)}
+  gathers = {}
+  for kind in ("Auto", "Explicit"):
+    mesh = jax.make_mesh(
+      (2, 2),
+      ("data", "model"),
+      devices=jax.devices()[:4],
+      axis_types=(getattr(jax.sharding.AxisType, kind),) * 2,
+    )
+    params = {"b": jax.device_put(host["b"], NamedSharding(mesh, P("data", "model")))}
+    tx = oo.offload(optax.adam(1e-2), min_size=1024, update_on="host")
+    step = jax.jit(lambda p, s, g, tx=tx: oo.update_and_apply(tx, g, s, p))
+    text = step.lower(params, tx.init(params), params).compile().as_text()
+    gathers[kind] = sorted(re.findall(r"= (\S+) all-gather(?:-start)?\(", text))
+  assert gathers["Auto"], "the pattern finds XLA's gathers"
+  assert gathers["Explicit"] == gathers["Auto"]

@@ -837,12 +837,12 @@ def _loop(r: _Run, loop: LoopRange, bufs, prev_bufs, token):
 def _flat(x: jax.Array) -> jax.Array:
   """`x` as a 1-D array, as it crosses to and from a host computation. On Explicit mesh axes,
   where jax wants the result's sharding, an array sharded on an axis after its first is gathered
-  first (a flat array cannot be sharded so)."""
+  along those axes first (a flat array is sharded as the first axis, if at all)."""
   sharding = jax.typeof(x).sharding
-  if memory.on_explicit_axes(sharding) and any(a is not None for a in tuple(sharding.spec)[1:]):
-    x = jax.sharding.reshard(
-      x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    )
+  spec = tuple(sharding.spec)
+  if memory.on_explicit_axes(sharding) and any(a is not None for a in spec[1:]):
+    first = jax.sharding.PartitionSpec(*spec[:1])
+    x = jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, first))
   return x.reshape(-1)
 
 
