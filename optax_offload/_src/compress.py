@@ -192,13 +192,6 @@ def _on_auto_axes(fun, arrays: tuple[jax.Array, ...], out_sharding) -> Any:
   return jax.sharding.auto_axes(fun, out_sharding=out_sharding(sharding))(*arrays)
 
 
-def _scales_sharding(sharding: jax.sharding.NamedSharding, ndim: int):
-  """Where a moment's block scales go on Explicit axes: replicated, as `offload`'s init places an
-  array not shaped like its param (sharded like the codes' rows, a row slice's new scales could
-  not be written into the whole moment's)."""
-  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*[None] * ndim))
-
-
 # Jitted, as `dequantize`: a step or a probe that quantizes many moments of one shape traces it once
 # (inlined into the caller's program: the same HLO); eagerly, one program, not one per op (an
 # eager int8 init ran about 150 small compiles, 7 s of a 4-layer decoder's init, op by op).
@@ -219,7 +212,9 @@ def quantize(x: jax.Array, signed: bool) -> QuantizedMoment:
   return _on_auto_axes(
     functools.partial(_quantize, signed=signed),
     (x,),
-    lambda s: QuantizedMoment(s, _scales_sharding(s, x.ndim)),
+    # (the scales replicated, as offload's init places an array not shaped like its param: a row
+    # slice's new scales, sharded like its rows, could not be written into the whole moment's)
+    lambda s: QuantizedMoment(s, memory.replicated(s)),
   )
 
 
@@ -454,8 +449,9 @@ def with_moment_dtype(
   dtype wider than `moment_dtype`: Adam's ``mu`` and ``nu``, momentum's ``trace``, Lion's ``mu``,
   ... . Step counts, hyper-parameters, adafactor's factored rows and columns, sm3's lists of
   accumulators and leaves already narrow are kept as they are; under `offload`'s ``master_dtype``
-  the master copy is outside this state and stays in its dtype. (An inner state that keeps a param-shaped copy of the params, e.g. lookahead's slow
-  weights, is rounded too: wrap only the part that holds moments.)
+  the master copy is outside this state and stays in its dtype. (An inner state that keeps a
+  param-shaped copy of the params, e.g. lookahead's slow weights, is rounded too: wrap only the
+  part that holds moments.)
 
   ``update`` widens the moments to the dtype ``inner.init`` gives them for the params (for the
   updates when no params are passed), runs `inner`, and rounds the new moments to `moment_dtype`
