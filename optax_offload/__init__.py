@@ -33,6 +33,11 @@ from optax_offload._src.nvme import NvmeCorruptionError
 from optax_offload._src.nvme import NvmeError
 from optax_offload._src.nvme import NvmeOptions
 from optax_offload._src.nvme import NvmeWriteError
+from optax_offload._src.nvme_stack import NvmeStackLeaf
+from optax_offload._src.nvme_stack import close_nvme_stack
+from optax_offload._src.nvme_stack import open_nvme_stack
+from optax_offload._src.nvme_stack import read_nvme_stack
+from optax_offload._src.nvme_stack import write_nvme_stack
 from optax_offload._src.offload import abstract_state
 from optax_offload._src.offload import offload
 from optax_offload._src.offloaded_scan import STREAM_XLA_OPTIONS
@@ -76,6 +81,7 @@ __all__ = (
   "NvmeCorruptionError",
   "NvmeError",
   "NvmeOptions",
+  "NvmeStackLeaf",
   "NvmeWriteError",
   "OffloadCheckpointHandler",
   "OffloadRestore",
@@ -88,6 +94,7 @@ __all__ = (
   "Timeline",
   "abstract_state",
   "close_nvme",
+  "close_nvme_stack",
   "compile_for_gpu",
   "describe_plan",
   "estimate",
@@ -101,7 +108,9 @@ __all__ = (
   "offload",
   "offloaded_layers",
   "offloaded_scan",
+  "open_nvme_stack",
   "parse_bytes",
+  "read_nvme_stack",
   "sync_nvme",
   "tiers",
   "timeline",
@@ -111,4 +120,5 @@ __all__ = (
   "value_and_grad_to_host",
   "value_and_update",
   "with_moment_dtype",
+  "write_nvme_stack",
 )

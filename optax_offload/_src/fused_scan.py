@@ -171,13 +171,13 @@ def _fused(body, y_aval, consumer, consts, carry, stack, io):
 
 def _fused_primal(body, y_aval, consumer, consts, carry, stack, io):
   del consumer, io
-  x, ys, _ = layers_lib._forward(body, consts, carry, stack, y_aval, save=False)
+  x, ys, _, _ = layers_lib._forward(body, consts, carry, stack, y_aval, save=False)
   return x, ys
 
 
 def _fused_fwd(body, y_aval, consumer, consts, carry, stack, io):
   del consumer
-  x, ys, xs = layers_lib._forward(body, consts, carry, stack, y_aval, save=True)
+  x, ys, xs, _ = layers_lib._forward(body, consts, carry, stack, y_aval, save=True)
   return (x, ys), (consts, xs, stack, io)
 
 

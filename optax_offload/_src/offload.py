@@ -28,6 +28,7 @@ from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
 from optax_offload._src import memory
 from optax_offload._src import nvme
+from optax_offload._src import nvme_stack
 from optax_offload._src import nvme_tier
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import stream
@@ -314,6 +315,7 @@ class _Offloaded:
       return OffloadState(
         inner.init(params), jnp.asarray(-1, jnp.int32), jnp.asarray(-1, jnp.int32)
       )
+    nvme_stack.refuse_in_params(params, "offload's init")
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [layout_lib.leaf_path(p) for p, _ in flat]
     values = [v for _, v in flat]

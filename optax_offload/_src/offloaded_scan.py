@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_offload._src import memory
+from optax_offload._src import nvme_stack
 from optax_offload._src.memory import DEVICE
 from optax_offload._src.memory import HOST
 
@@ -66,11 +67,40 @@ _HOST_HOWTO = (
 )
 
 
-def _fetch(stack, i):
-  """Layer `i` of the host stack in device memory (an async host->device slice)."""
-  return jax.tree.map(
-    lambda a: jax.device_put(lax.dynamic_index_in_dim(a, i, keepdims=False), DEVICE), stack
-  )
+def _flat(stack) -> tuple[list[Any], Any]:
+  """The stack's leaves (arrays and `nvme_stack.NvmeStackLeaf`s) and its structure."""
+  return jax.tree.flatten(stack, is_leaf=nvme_stack.is_leaf)
+
+
+def _on_disk(stack) -> list[bool]:
+  """Per leaf of the stack, whether it is on NVMe (frozen: no gradient)."""
+  return [nvme_stack.is_leaf(a) for a in _flat(stack)[0]]
+
+
+def _fetch(stack, i, where: str = "forward", token=None):
+  """Layer `i` of the stack in device memory, and the read token: an async host->device slice of
+  a leaf in host memory, and one read callback per NVMe stack directory (`where`: which pass
+  reads, for the read-ahead: `nvme_stack.PASSES`). The token (None where no leaf is on NVMe)
+  chains the reads in program order, so that XLA neither hoists nor swaps them and each finds the
+  layer the one before read ahead."""
+  leaves, treedef = _flat(stack)
+  out = [
+    a
+    if nvme_stack.is_leaf(a)
+    else jax.device_put(lax.dynamic_index_in_dim(a, i, keepdims=False), DEVICE)
+    for a in leaves
+  ]
+  disk = [k for k, a in enumerate(leaves) if nvme_stack.is_leaf(a)]
+  if disk:
+    got, token = nvme_stack.read_layer([leaves[k] for k in disk], i, where, token)
+    for k, a in zip(disk, got):
+      out[k] = a
+  return jax.tree.unflatten(treedef, out), token
+
+
+def _trainable(stack) -> list[Any]:
+  """The stack's leaves that get a gradient (not on NVMe)."""
+  return [a for a in _flat(stack)[0] if not nvme_stack.is_leaf(a)]
 
 
 def _set(buf, i, tree):
@@ -103,7 +133,7 @@ def _num_layers(stack: Any) -> int:
   Raises:
     ValueError: when the stack has no leaves or no layers, or its leaves disagree, naming them.
   """
-  leaves = jax.tree_util.tree_leaves_with_path(stack)
+  leaves = jax.tree_util.tree_leaves_with_path(stack, is_leaf=nvme_stack.is_leaf)
   if not leaves:
     raise ValueError("offloaded_scan: the layer stack has no leaves; pass at least one array.")
   sizes = {jax.tree_util.keystr(p): (a.shape[0] if a.ndim else None) for p, a in leaves}
@@ -125,8 +155,8 @@ def _num_layers(stack: Any) -> int:
 def _check_on_host(stack) -> None:
   """A ValueError unless some leaf of the stack is in host memory (leaves on the device are used
   in place: a card with room keeps them)."""
-  leaves = jax.tree_util.tree_leaves_with_path(stack)
-  if not any(memory.in_host(a) for _, a in leaves):
+  leaves = jax.tree_util.tree_leaves_with_path(stack, is_leaf=nvme_stack.is_leaf)
+  if not any(nvme_stack.is_leaf(a) or memory.in_host(a) for _, a in leaves):
     bad = [jax.tree_util.keystr(p) or "stack" for p, _ in leaves]
     raise ValueError(
       f"offloaded_scan: the layer stack must live in pinned host memory, but {', '.join(bad)} "
@@ -147,8 +177,8 @@ def _empty(like, dtype=None):
 
 
 def _forward(body, consts, carry, stack, y_aval, *, save):
-  """Runs the stack; returns the final carry, the stacked per-layer outputs and, with `save`,
-  every layer's input carry (the residuals of the backward)."""
+  """Runs the stack; returns the final carry, the stacked per-layer outputs, with `save` every
+  layer's input carry (the residuals of the backward), and the read token (`_fetch`)."""
   n = _num_layers(stack)
   xs = jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), carry) if save else None
   ys = jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), y_aval)
@@ -159,51 +189,58 @@ def _forward(body, consts, carry, stack, y_aval, *, save):
     x, y = _seal(body(consts, x, w))
     return x, xs, _set(ys, i, y)
 
-  def pair(c, k):
-    x, wa, xs, ys = c  # wa: layer 2k's weights, on the device
-    wb = _fetch(stack, 2 * k + 1)  # in flight during layer 2k
-    x, xs, ys = one(x, wa, 2 * k, xs, ys)
-    wa = _fetch(stack, jnp.minimum(2 * k + 2, n - 1))  # in flight during layer 2k+1
-    x, xs, ys = one(x, wb, 2 * k + 1, xs, ys)
-    return (x, wa, xs, ys), None
+  where = "train_forward" if save else "forward"
 
-  (x, wa, xs, ys), _ = lax.scan(pair, (carry, _fetch(stack, 0), xs, ys), jnp.arange(n // 2))
+  def pair(c, k):
+    x, wa, xs, ys, tok = c  # wa: layer 2k's weights, on the device
+    wb, tok = _fetch(stack, 2 * k + 1, where, tok)  # in flight during layer 2k
+    x, xs, ys = one(x, wa, 2 * k, xs, ys)
+    wa, tok = _fetch(stack, jnp.minimum(2 * k + 2, n - 1), where, tok)  # during layer 2k+1
+    x, xs, ys = one(x, wb, 2 * k + 1, xs, ys)
+    return (x, wa, xs, ys, tok), None
+
+  w0, tok = _fetch(stack, 0, where)
+  (x, wa, xs, ys, tok), _ = lax.scan(pair, (carry, w0, xs, ys, tok), jnp.arange(n // 2))
   if n % 2:
     x, xs, ys = one(x, wa, n - 1, xs, ys)
-  return x, ys, xs
+  return x, ys, xs, tok
 
 
-def _backward(one, stack, g, gconsts):
-  """Layers from the last to the first; returns (consts', carry's, stack's gradients)."""
+def _backward(one, stack, g, gconsts, tok):
+  """Layers from the last to the first; returns (consts', carry's, and the gradients of the
+  stack's trainable leaves, `_trainable`'s order, in their memory). `tok`: the forward's read
+  token (`_fetch`)."""
   n = _num_layers(stack)
-  gstack = jax.tree.map(_empty, stack)
+  fetch = functools.partial(_fetch, stack, where="backward")
+  gstack = [_empty(a) for a in _trainable(stack)]
   top = n - 1
   if n % 2:  # the odd last layer alone; its gradient goes out before the loop
-    w_next = _fetch(stack, max(top - 1, 0))
-    g, gconsts, g_odd = one(g, _fetch(stack, top), top, gconsts)
+    w_top, tok = fetch(top, token=tok)
+    w_next, tok = fetch(max(top - 1, 0), token=tok)
+    g, gconsts, g_odd = one(g, w_top, top, gconsts)
     gstack = _write(gstack, top, g_odd, rows=1)
     top, wb = top - 1, w_next
   else:
-    wb = _fetch(stack, top)
+    wb, tok = fetch(top, token=tok)
   if n < 2:
     return gconsts, g, gstack
   # The first iteration writes its (zero) block at rows top-1 and top; both are written again
   # later with their true gradients: one wasted two-layer write per step, no branch in the loop.
-  blk0 = jax.tree.map(lambda a: jnp.zeros((2,) + a.shape[1:], a.dtype), stack)
+  blk0 = [jnp.zeros((2,) + a.shape[1:], a.dtype) for a in _trainable(stack)]
 
   def pair(c, k):
-    g, wb, gconsts, gstack, blk = c  # wb: layer hi's weights; blk: gradients of hi+1, hi+2
+    g, wb, gconsts, gstack, blk, tok = c  # wb: layer hi's weights; blk: gradients of hi+1, hi+2
     hi = top - 2 * k
     gstack = _write(gstack, jnp.where(k == 0, top - 1, hi + 1), blk, rows=2)
-    wa = _fetch(stack, hi - 1)  # in flight during layer hi's backward
+    wa, tok = fetch(hi - 1, token=tok)  # in flight during layer hi's backward
     g, gconsts, g_hi = one(g, wb, hi, gconsts)
-    wb = _fetch(stack, jnp.maximum(hi - 2, 0))  # in flight during layer hi-1's backward
+    wb, tok = fetch(jnp.maximum(hi - 2, 0), token=tok)  # in flight during layer hi-1's backward
     g, gconsts, g_lo = one(g, wa, hi - 1, gconsts)
     blk = jax.tree.map(lambda a, b: jnp.stack([a, b]), g_lo, g_hi)
-    return (g, wb, gconsts, gstack, blk), None
+    return (g, wb, gconsts, gstack, blk, tok), None
 
-  init = (g, wb, gconsts, gstack, blk0)
-  (g, _, gconsts, gstack, blk), _ = lax.scan(pair, init, jnp.arange(n // 2))
+  init = (g, wb, gconsts, gstack, blk0, tok)
+  (g, _, gconsts, gstack, blk, _), _ = lax.scan(pair, init, jnp.arange(n // 2))
   return gconsts, g, _write(gstack, 0, blk, rows=2)
 
 
@@ -222,28 +259,42 @@ def _check_body_output(out_aval, carry) -> None:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _streamed(body, y_aval, consts, carry, stack):
-  x, ys, _ = _forward(body, consts, carry, stack, y_aval, save=False)
+  x, ys, _, _ = _forward(body, consts, carry, stack, y_aval, save=False)
   return x, ys
 
 
 def _streamed_fwd(body, y_aval, consts, carry, stack):
-  x, ys, xs = _forward(body, consts, carry, stack, y_aval, save=True)
-  return (x, ys), (consts, xs, stack)
+  x, ys, xs, tok = _forward(body, consts, carry, stack, y_aval, save=True)
+  return (x, ys), (consts, xs, stack, tok)
 
 
 def _streamed_bwd(body, y_aval, res, cotangents):
   del y_aval
-  consts, xs, stack = res
+  consts, xs, stack, tok = res
   g, gys = cotangents
+  disk = _on_disk(stack)
+  treedef = _flat(stack)[1]
 
   def one(g, w, i, gconsts):
     x = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
     gy = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), gys)
-    _, vjp = jax.vjp(body, consts, x, w)  # recompute layer i, then its backward
+    leaves = jax.tree.leaves(w)
+    frozen = [a for a, d in zip(leaves, disk) if d]
+
+    def layer(consts, x, trained):  # the weights on NVMe are constants: no gradient computed
+      it, fr = iter(trained), iter(frozen)
+      return body(consts, x, jax.tree.unflatten(treedef, [next(fr if d else it) for d in disk]))
+
+    trained = [a for a, d in zip(leaves, disk) if not d]
+    _, vjp = jax.vjp(layer, consts, x, trained)  # recompute layer i, then its backward
     gc, gx, gw = vjp((g, gy))
     return _seal(gx), jax.tree.map(jnp.add, gconsts, gc), gw
 
-  return _backward(one, stack, g, jax.tree.map(jnp.zeros_like, consts))
+  gconsts0 = jax.tree.map(jnp.zeros_like, consts)
+  gconsts, gcarry, gtrained = _backward(one, stack, g, gconsts0, tok)
+  it = iter(gtrained)
+  gstack = jax.tree.unflatten(treedef, [None if d else next(it) for d in disk])
+  return gconsts, gcarry, gstack
 
 
 _streamed.defvjp(_streamed_fwd, _streamed_bwd)
@@ -293,7 +344,9 @@ def offloaded_scan(
   claimed = fused_scan.claim(stack)
   if claimed is None:
     _check_on_host(stack)
-  w_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
+  w_aval = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack, is_leaf=nvme_stack.is_leaf
+  )
   converted, consts = jax.closure_convert(body, carry, w_aval)
 
   def layer(consts, x, w):

@@ -45,6 +45,7 @@ from jax import lax
 from optax_offload._src import _compat
 from optax_offload._src import fused_scan
 from optax_offload._src import layout as layout_lib
+from optax_offload._src import nvme_stack
 from optax_offload._src import offload as offload_lib
 from optax_offload._src import offloaded_scan as scan_lib
 from optax_offload._src import plan as plan_lib
@@ -231,6 +232,7 @@ class _Step:
     return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, n, keepdims=False), batch)
 
   def run(self, params, state, batch, kwargs):
+    nvme_stack.refuse_in_params(params, "value_and_update")
     off = self.s.offloaded
     off_state = self.s.unpack(state)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)

@@ -1,0 +1,463 @@
+"""Layer stacks on NVMe: weights that `offloaded_scan` reads from the drive one layer at a time.
+
+A model whose stacked layer weights fit neither on the card nor in RAM (a 70B base in bf16 is
+140 GB) can keep them on an NVMe drive: `write_nvme_stack` writes a stack once, a layer per store
+group (`nvme.NvmeStore`: zarr3 files that TensorStore reads, checksummed, read with direct I/O),
+and returns the stack with an `NvmeStackLeaf` in place of each array. `offloaded_scan` takes such
+leaves beside arrays in pinned host memory or on the device: each layer's weights come from the
+drive by one callback per layer, read ahead in the order the pass needs them (the forward pass up
+the layers, the backward pass down them, then the next step's forward), so the store reads the next
+layer while this one computes. The host holds a few layers' buffers, never the stack.
+
+The weights on NVMe are frozen: `offloaded_scan` computes no gradient for them (the backward pass
+differentiates only the stack's other leaves, the carry and what the body closes over), as for
+adapters (LoRA) trained on a base too large for RAM. Pass the stack as an argument of its own,
+not inside the params that `jax.grad` or an optimizer sees. Training the stack's weights on NVMe
+(new weights written into the store's next generation by the update) is not built yet.
+
+On a mesh of several devices the read callback runs once and its layer is replicated to every
+device (data parallelism; the weights are not sharded). One process: a stack's directory is
+locked by the process that opened it. `offload` and `value_and_update` refuse such leaves in the
+params they train.
+
+Examples:
+  >>> import tempfile, jax, jax.numpy as jnp, numpy as np, optax_offload as oo
+  >>> layers = {"w": np.full((3, 4, 4), 0.5, np.float32)}
+  >>> base = oo.write_nvme_stack(tempfile.mkdtemp(), layers)
+  >>> base["w"]
+  NvmeStackLeaf(shape=(3, 4, 4), dtype=float32, path="['w']")
+  >>> def body(x, w):
+  ...   return jnp.tanh(x @ w["w"]), None
+  >>> y, _ = jax.jit(lambda x, base: oo.offloaded_scan(body, x, base))(jnp.ones((2, 4)), base)
+  >>> float(y[0, 0]) == float(jax.lax.scan(body, jnp.ones((2, 4)), layers)[0][0, 0])
+  True
+  >>> oo.close_nvme_stack(base)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from optax_offload._src import nvme
+
+FORMAT = "optax_offload.nvme_stack"
+VERSION = 1
+DESCRIPTION = "stack.json"
+"""The stack's description (leaf paths, shapes, dtypes, layers), written once the data is
+committed: a directory with it holds a complete stack."""
+STORE = "store"
+FETCH_SCOPE = "nvme_stack_fetch"
+"""`jax.named_scope` of the per-layer read callback (in its HLO ``op_name``)."""
+
+
+@jax.tree_util.register_pytree_node_class
+class NvmeStackLeaf:
+  """One stacked leaf of a layer stack kept on NVMe, in place of its array.
+
+  It stands for an array of `shape` and `dtype` (leading axis: the layers), and is a pytree node
+  whose only child is the store generation it reads (an int32 scalar), so it passes through
+  `jax.jit` like the arrays beside it. `offloaded_scan` reads its layers; nothing else does.
+  """
+
+  def __init__(self, generation: Any, directory: str, path: str, shape, dtype):
+    self.generation = generation
+    self.directory = directory
+    self.path = path
+    self.shape = tuple(int(d) for d in shape)
+    self.dtype = np.dtype(dtype)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape)) * self.dtype.itemsize
+
+  def tree_flatten(self):
+    return (self.generation,), (self.directory, self.path, self.shape, self.dtype.name)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
+
+  def __repr__(self) -> str:
+    return f'NvmeStackLeaf(shape={self.shape}, dtype={self.dtype.name}, path="{self.path}")'
+
+  def __jax_array__(self):
+    raise TypeError(
+      f"NvmeStackLeaf {self.path} (in {self.directory}) is a layer stack on NVMe, not an array: "
+      "only oo.offloaded_scan reads it, a layer at a time. Pass the stack to oo.offloaded_scan "
+      "(read it whole with oo.read_nvme_stack)."
+    )
+
+
+def is_leaf(x: Any) -> bool:
+  """Whether `x` is an `NvmeStackLeaf` (an `is_leaf` for tree maps over a stack)."""
+  return isinstance(x, NvmeStackLeaf)
+
+
+def has_leaves(tree: Any) -> bool:
+  """Whether some leaf of `tree` is an `NvmeStackLeaf`."""
+  return any(is_leaf(x) for x in jax.tree.leaves(tree, is_leaf=is_leaf))
+
+
+@dataclasses.dataclass
+class _Opened:
+  """An open stack directory: its store and description."""
+
+  store: nvme.NvmeStore
+  paths: list[str]
+  num_layers: int
+  last: tuple[tuple[int, int], list[np.ndarray]] | None = None
+  """The layer read last, by (layer, generation): the passes read a layer twice in a row where
+  they turn (the forward's last layer, the backward's first), which the store would read again."""
+
+  def fetch(self, i: int, generation: int, then: list[tuple[int, int]]) -> list[np.ndarray]:
+    last = self.last
+    if last is not None and last[0] == (i, generation):
+      return last[1]
+    arrays = self.store.fetch(i, generation, then=then)
+    self.last = ((i, generation), arrays)
+    return arrays
+
+
+_LOCK = threading.Lock()
+_OPEN: dict[str, _Opened] = {}
+
+
+def _key(directory: str | os.PathLike) -> str:
+  return os.path.abspath(os.path.expanduser(os.fspath(directory)))
+
+
+def _dtype(a: Any) -> np.dtype:
+  return np.dtype(a.dtype) if hasattr(a, "dtype") else np.asarray(a).dtype
+
+
+def _groups(paths, shapes, dtypes, num_layers) -> list[list[nvme.LeafSpec]]:
+  return [
+    [nvme.LeafSpec(f"leaf{j}_layer{i}", s, d) for j, (s, d) in enumerate(zip(shapes, dtypes))]
+    for i in range(num_layers)
+  ]
+
+
+DEFAULT_OPTIONS = nvme.NvmeOptions(prefetch_depth=2)
+"""The store's options unless given: two layers read ahead (the next pair of the pass)."""
+
+
+def _store(root: pathlib.Path, groups, options, create: bool) -> nvme.NvmeStore:
+  o = DEFAULT_OPTIONS if options is None else nvme.NvmeOptions.of(options)
+  return nvme.NvmeStore(
+    root / STORE,
+    groups,
+    prefetch_depth=o.prefetch_depth,
+    write_depth=o.write_depth,
+    chunk_bytes=o.chunk_bytes,
+    io_threads=o.io_threads,
+    direct_io=o.direct_io,
+    create=create,
+  )
+
+
+def write_nvme_stack(
+  directory: str | os.PathLike,
+  layers: Any,
+  num_layers: int | None = None,
+  *,
+  options: nvme.NvmeOptions | None = None,
+) -> Any:
+  """Writes a layer stack to NVMe, one layer at a time; returns it as `NvmeStackLeaf` leaves.
+
+  Args:
+    directory: a directory on the drive for this stack alone (made if missing). One that holds
+      a stack already is refused: open it with `open_nvme_stack`.
+    layers: the stack, a pytree of arrays with a common leading layer axis (numpy, or jax arrays
+      anywhere); or a function ``layers(i)`` returning layer ``i``'s pytree (arrays without the
+      layer axis), so that a stack larger than RAM is written as it is made or loaded.
+    num_layers: the number of layers, with a function (ignored otherwise).
+    options: the store's `NvmeOptions` (layers read ahead, chunk size, direct I/O); default
+      `DEFAULT_OPTIONS`.
+
+  Returns:
+    The stack's pytree with an `NvmeStackLeaf` per leaf, for `offloaded_scan`.
+
+  Raises:
+    FileExistsError: `directory` holds a stack already; nothing there is changed.
+    ValueError: the leaves disagree on the layer axis, a function's layers disagree in structure,
+      shape or dtype, or `num_layers` is missing; nothing is described as written.
+  """
+  key = _key(directory)
+  root = pathlib.Path(key)
+  if (root / DESCRIPTION).exists():
+    raise FileExistsError(
+      f"write_nvme_stack: {key} holds a layer stack already (its {DESCRIPTION}); open it with "
+      "oo.open_nvme_stack(directory, like), or write to another directory (delete this one to "
+      "write it again)."
+    )
+  if callable(layers):
+    if num_layers is None or int(num_layers) < 1:
+      raise ValueError("write_nvme_stack: give num_layers (>= 1) with a function of the layer.")
+    n = int(num_layers)
+    first = layers(0)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(first)
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    shapes = [tuple(np.shape(a)) for _, a in flat]
+    dtypes = [_dtype(a) for _, a in flat]
+    full = [(n, *s) for s in shapes]
+  else:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(layers)
+    if not flat:
+      raise ValueError("write_nvme_stack: the layer stack has no leaves.")
+    sizes = {jax.tree_util.keystr(p): (np.shape(a)[0] if np.ndim(a) else None) for p, a in flat}
+    if len(set(sizes.values())) != 1 or None in sizes.values() or 0 in sizes.values():
+      raise ValueError(
+        "write_nvme_stack: every leaf of the stack needs the same leading (layer) axis of at "
+        f"least 1; got {sizes}."
+      )
+    n = next(iter(sizes.values()))
+    paths = list(sizes)
+    full = [tuple(np.shape(a)) for _, a in flat]
+    shapes = [s[1:] for s in full]
+    dtypes = [_dtype(a) for _, a in flat]
+
+  def layer(i: int) -> list[np.ndarray]:
+    """Layer `i`'s arrays, on the host."""
+    if not callable(layers):
+      return [np.asarray(jax.device_get(a[i])) for _, a in flat]
+    tree = first if i == 0 else layers(i)
+    if jax.tree.structure(tree) != treedef:
+      raise ValueError(
+        f"write_nvme_stack: layer {i} has the structure {jax.tree.structure(tree)}, layer 0 had "
+        f"{treedef}; every layer needs the same structure, shapes and dtypes."
+      )
+    return [np.asarray(jax.device_get(a)) for a in jax.tree.leaves(tree)]
+
+  store = _store(root, _groups(paths, shapes, dtypes, n), options, create=True)
+  try:
+    generation = store.new_generation()
+    for i in range(n):
+      arrays = layer(i)
+      got = [(a.shape, a.dtype) for a in arrays]
+      if got != list(zip(shapes, dtypes)):
+        raise ValueError(
+          f"write_nvme_stack: layer {i} has leaves {got}, layer 0 had {list(zip(shapes, dtypes))}; "
+          "every layer needs the same structure, shapes and dtypes."
+        )
+      store.put(i, generation, arrays)
+    store.commit(generation)
+    store.sync()
+  except BaseException:
+    store.close()
+    raise
+  doc = {
+    "format": FORMAT,
+    "version": VERSION,
+    "num_layers": n,
+    "leaves": [
+      {"path": p, "shape": list(s), "dtype": d.name} for p, s, d in zip(paths, full, dtypes)
+    ],
+  }
+  nvme.write_json_atomic(root / DESCRIPTION, doc)
+  with _LOCK:
+    _OPEN[key] = _Opened(store, paths, n)
+  return _leaves(key, treedef, paths, full, dtypes, store.committed_generation)
+
+
+def _leaves(key, treedef, paths, full, dtypes, generation) -> Any:
+  gen = jnp.asarray(generation, jnp.int32)
+  return jax.tree.unflatten(
+    treedef, [NvmeStackLeaf(gen, key, p, s, d) for p, s, d in zip(paths, full, dtypes)]
+  )
+
+
+def open_nvme_stack(
+  directory: str | os.PathLike, like: Any, *, options: nvme.NvmeOptions | None = None
+) -> Any:
+  """Opens a stack that `write_nvme_stack` wrote (in this process or an earlier one).
+
+  Args:
+    directory: the stack's directory.
+    like: the stack's structure: a pytree of arrays or `jax.ShapeDtypeStruct`s with the layer
+      axis (e.g. ``jax.eval_shape`` of the function that makes the layers).
+    options: the store's `NvmeOptions` (default `DEFAULT_OPTIONS`), where this process has not
+      opened the stack yet.
+
+  Returns:
+    The stack's pytree with an `NvmeStackLeaf` per leaf.
+
+  Raises:
+    FileNotFoundError: `directory` holds no complete stack.
+    ValueError: `like` differs from the stack on disk (the message lists the differences).
+  """
+  key = _key(directory)
+  doc = _description(key)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+  want = [(jax.tree_util.keystr(p), list(np.shape(a)), np.dtype(a.dtype).name) for p, a in flat]
+  have = [(d["path"], d["shape"], d["dtype"]) for d in doc["leaves"]]
+  if want != have:
+    diffs = [f"{w} != {h}" for w, h in zip(want, have) if w != h]
+    if len(want) != len(have):
+      diffs.append(f"{len(want)} leaves given, {len(have)} stored")
+    raise ValueError(
+      f"open_nvme_stack: {key} holds another stack than `like` describes: {'; '.join(diffs)}. "
+      "Pass the structure, shapes and dtypes the stack was written with."
+    )
+  paths = [h[0] for h in have]
+  full = [tuple(h[1]) for h in have]
+  dtypes = [np.dtype(h[2]) for h in have]
+  n = int(doc["num_layers"])
+  with _LOCK:
+    opened = _OPEN.get(key)
+    if opened is None:
+      groups = _groups(paths, [s[1:] for s in full], dtypes, n)
+      store = _store(pathlib.Path(key), groups, options, create=False)
+      opened = _OPEN[key] = _Opened(store, paths, n)
+  return _leaves(key, treedef, paths, full, dtypes, opened.store.committed_generation)
+
+
+def _description(key: str) -> dict[str, Any]:
+  path = pathlib.Path(key) / DESCRIPTION
+  if not path.exists():
+    raise FileNotFoundError(
+      f"open_nvme_stack: {key} holds no complete layer stack (no {DESCRIPTION}; a write that did "
+      "not finish leaves none). Write it with oo.write_nvme_stack(directory, layers)."
+    )
+  doc = json.loads(path.read_text())
+  if doc.get("format") != FORMAT or int(doc.get("version", 0)) > VERSION:
+    raise ValueError(
+      f"open_nvme_stack: {path} is format {doc.get('format')!r} version {doc.get('version')}; "
+      f"this optax_offload reads {FORMAT!r} up to version {VERSION}: upgrade optax_offload."
+    )
+  return doc
+
+
+def close_nvme_stack(stack: Any) -> None:
+  """Closes the stores of a stack's `NvmeStackLeaf` leaves (their directories stay on disk).
+
+  The stack cannot be read afterwards; `open_nvme_stack` opens it again.
+  """
+  for key in {x.directory for x in jax.tree.leaves(stack, is_leaf=is_leaf) if is_leaf(x)}:
+    with _LOCK:
+      opened = _OPEN.pop(key, None)
+    if opened is not None:
+      opened.store.close()
+
+
+def _opened(key: str) -> _Opened:
+  with _LOCK:
+    opened = _OPEN.get(key)
+  if opened is None:
+    raise RuntimeError(
+      f"The layer stack on NVMe at {key} is closed (oo.close_nvme_stack) or was opened in another "
+      "process; open it with oo.open_nvme_stack(directory, like)."
+    )
+  return opened
+
+
+def read_nvme_stack(stack: Any) -> Any:
+  """The stack's arrays, read whole into host memory (numpy), e.g. to check or convert it."""
+
+  def read(x):
+    if not is_leaf(x):
+      return x
+    opened = _opened(x.directory)
+    j = opened.paths.index(x.path)
+    gen = int(np.asarray(x.generation))
+    return np.stack([opened.store.fetch(i, gen)[j] for i in range(opened.num_layers)])
+
+  return jax.tree.map(read, stack, is_leaf=is_leaf)
+
+
+PASSES = ("forward", "train_forward", "backward")
+"""Where a layer read sits, for its read-ahead: a forward pass with no backward after it
+(`forward`: up the layers, then the next forward), a forward pass a backward follows
+(`train_forward`), and the backward pass (down the layers, then the next step's forward)."""
+
+
+def read_ahead(i: int, num_layers: int, where: str, depth: int) -> list[int]:
+  """The `depth` layers read after layer `i`, in the order the pass (and the next) reads them.
+
+  Examples:
+    >>> read_ahead(6, 8, "train_forward", 3)  # then the backward pass: 7 (read again), 6, ...
+    [7, 6, 5]
+  """
+  if where == "forward":
+    order = list(range(i + 1, num_layers)) + list(range(num_layers))
+  elif where == "train_forward":
+    order = list(range(i + 1, num_layers)) + list(range(num_layers - 1, -1, -1))
+  else:
+    order = list(range(i - 1, -1, -1)) + list(range(num_layers))
+  # A layer read twice in a row (where a pass turns) is read once: the second read finds it
+  # (`_Opened.last`).
+  distinct = [j for k, j in enumerate(order) if j != (order[k - 1] if k else i)]
+  return distinct[:depth]
+
+
+def read_layer(
+  leaves: Sequence[NvmeStackLeaf], i: jax.Array, where: str, token: jax.Array | None = None
+) -> tuple[list[jax.Array], jax.Array]:
+  """Layer `i` of each leaf (in device memory), by one callback per stack directory.
+
+  Args:
+    leaves: the stack's leaves on NVMe.
+    i: the layer (traced).
+    where: the pass that reads (`PASSES`), for the read-ahead.
+    token: the previous read's token (None: the first read), an int32 scalar each read takes and
+      returns, so that the reads run in program order (the prefetch window follows that order).
+
+  Returns:
+    The layer of each leaf, and the token.
+  """
+  if where not in PASSES:
+    raise ValueError(f"read_layer: where must be one of {PASSES}, got {where!r}.")
+  if token is None:
+    token = jnp.zeros((), jnp.int32)
+  out: list[Any] = [None] * len(leaves)
+  by_dir: dict[str, list[int]] = {}
+  for k, x in enumerate(leaves):
+    by_dir.setdefault(x.directory, []).append(k)
+  for key, ks in by_dir.items():
+    members = [leaves[k].path for k in ks]
+    shapes = [jax.ShapeDtypeStruct(leaves[k].shape[1:], leaves[k].dtype) for k in ks]
+
+    def fetch(i, generation, token, key=key, members=members):
+      opened = _opened(key)
+      i, gen = int(i), int(generation)
+      ahead = read_ahead(i, opened.num_layers, where, 4)  # the store reads its prefetch_depth
+      arrays = opened.fetch(i, gen, [(j, gen) for j in ahead])
+      return [*(np.asarray(arrays[opened.paths.index(m)]) for m in members), np.asarray(token)]
+
+    with jax.named_scope(FETCH_SCOPE):
+      *got, token = io_callback(
+        fetch, [*shapes, jax.ShapeDtypeStruct((), jnp.int32)], i, leaves[ks[0]].generation, token
+      )
+    for k, a in zip(ks, got):
+      out[k] = a
+  return out, token
+
+
+def refuse_in_params(params: Any, where: str) -> None:
+  """A ValueError naming the `NvmeStackLeaf` leaves of `params` (frozen: not for an optimizer)."""
+  found = [
+    jax.tree_util.keystr(p)
+    for p, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)[0]
+    if is_leaf(x)
+  ]
+  if found:
+    raise ValueError(
+      f"{where}: {', '.join(found[:5])} {'is a' if len(found) == 1 else 'are'} layer stack "
+      "leaves on NVMe (oo.write_nvme_stack), which are frozen: oo.offloaded_scan reads them and "
+      "computes no gradient for them. Keep them out of the params the optimizer sees (pass the "
+      "stack to the loss as an argument of its own)."
+    )
