@@ -36,6 +36,9 @@ ACCUMULATION_FIGURES = ("60 GiB",)
 # test_the_rows_with_leaves_kept_on_the_card, the card's bytes compiled once (in speed.md); the
 # card's bytes of the program with one callback a block (21.4 GiB), as the page says.
 KEPT_FIGURES = ("47.44 GiB", "47.32 GiB", "21.0 GiB", "21.4 GiB", "39.45 GiB", "6.14 GiB")
+# docs/layers.md's modelled rows of a LoRA step on a frozen base on NVMe (benchmarks/nvme_stack.py
+# gpu), cited by section 5: test_the_frozen_base_figures_it_cites.
+NVME_STACK_FIGURES = ("120.63 GiB", "7.99 GiB", "23.63 GiB", "45 tokens/s", "1,296 tokens/s")
 _PAIR = re.compile(r"```sh\n(python -m optax_offload plan .*?)```\n\n```text\n(.*?)```", re.S)
 
 
@@ -88,9 +91,28 @@ def test_the_page_shows_each_plan_as_printed(page_machine):
   prose = _PAIR.sub("", text)
   for figure in re.findall(r"\d+(?:\.\d+)? GiB|\d[\d,]* tokens/s", prose):
     cited = figure in (
-      WINDOW_FIGURES + SPEED_PAGE_FIGURES + NVME_PLAN_FIGURES + ACCUMULATION_FIGURES + KEPT_FIGURES
+      WINDOW_FIGURES
+      + SPEED_PAGE_FIGURES
+      + NVME_PLAN_FIGURES
+      + ACCUMULATION_FIGURES
+      + KEPT_FIGURES
+      + NVME_STACK_FIGURES
     )
     assert cited or any(figure in o for o in outputs), figure
+
+
+def test_the_frozen_base_figures_it_cites():
+  layers = (ROOT / "docs" / "layers.md").read_text()
+  for row in (
+    "| 70B (base 120.63 GiB) | 1 x 2048 | 7.99 GiB | 35.16 s | 5.80 s | 39.37 s | 45.17 s | 45 |",
+    "| 70B | 2 x 2048 | 12.09 GiB | 35.16 s | 11.53 s | 33.65 s | 45.17 s | 91 |",
+    "| 13B | 8 x 2048 | 17.82 GiB | 6.97 s | 10.10 s | 2.53 s | 12.64 s | 1,296 |",
+    "| 13B (base 23.63 GiB) | 1 x 2048 | 3.44 GiB | 6.97 s | 1.27 s | 7.69 s | 8.96 s | 229 |",
+  ):
+    assert row in layers, row
+  section = PAGE.read_text().split("## 5. Adapters on a base larger than RAM")[1]
+  for figure in ("35.16 s", "45.17 s", "6.97 s", "10.10 s", "(45 tokens/s; 91 at batch 2)"):
+    assert figure in section, figure
 
 
 def test_the_speed_page_figures_it_cites():

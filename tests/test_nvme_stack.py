@@ -7,6 +7,7 @@ program XLA:GPU builds (compiled without a GPU).
 """
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -332,3 +333,28 @@ def test_the_benchmark_runs_at_small_sizes(tmp_path):
   assert out["store_stats"]["fetches"] >= 3 * (2 * 4 - 2)  # 3 steps at least
   assert out["ratio_nvme_to_host"] > 0 and out["disk_read_rate"] > 0
   assert json.loads((tmp_path / "out.json").read_text())["layers"] == 4
+
+
+LAYERS_PAGE_ROW = (  # docs/layers.md, "Frozen weights on NVMe": the row this test models again
+  "| 13B (base 23.63 GiB) | 1 x 2048 | 3.44 GiB | 6.97 s | 1.27 s | 7.69 s | 8.96 s | 229 |"
+)
+
+
+def test_the_13b_row_of_the_layers_page_is_the_compiled_program():
+  """`benchmarks/nvme_stack.py gpu --model 13B --batch 1`: the 13B LoRA step compiled for the RTX
+  4090 and modelled by `oo.timeline` gives the page's row (the other rows were modelled once, by
+  the same command)."""
+  gpu_compile_or_skip()
+  from benchmarks import nvme_stack as bench
+
+  page = (pathlib.Path(__file__).parents[1] / "docs" / "layers.md").read_text()
+  assert LAYERS_PAGE_ROW in page
+  out = bench.main(["gpu", "--model", "13B", "--batch", "1"])
+  row = (
+    f"| 13B (base {oo.format_bytes(out['base_bytes'])}) | 1 x 2048 "
+    f"| {oo.format_bytes(out['device_bytes'])} | {out['modelled_disk_s']:.2f} s "
+    f"| {out['modelled_compute_s']:.2f} s | {out['modelled_callback_s']:.2f} s "
+    f"| {out['modelled_step_s']:.2f} s | {out['modelled_tokens_per_s']:,.0f} |"
+  )
+  assert row == LAYERS_PAGE_ROW
+  assert out["modelled_callbacks"] == 2 * 40 + 2  # a read per layer and pass, one more each
