@@ -15,10 +15,11 @@ adapters (LoRA) trained on a base too large for RAM. Pass the stack as an argume
 not inside the params that `jax.grad` or an optimizer sees. Training the stack's weights on NVMe
 (new weights written into the store's next generation by the update) is not built yet.
 
-On a mesh of several devices the read callback runs once and its layer is replicated to every
-device (data parallelism; the weights are not sharded). One process: a stack's directory is
-locked by the process that opened it. `offload` and `value_and_update` refuse such leaves in the
-params they train.
+The read is a `jax.pure_callback` (a committed generation of a frozen stack reads the same bytes
+every time, so `jax.checkpoint` may run it again), chained by a token in program order. On a mesh
+of several devices it runs once and its layer is replicated to every device (data parallelism;
+the weights are not sharded). One process: a stack's directory is locked by the process that
+opened it. `offload` and `value_and_update` refuse such leaves in the params they train.
 
 Examples:
   >>> import tempfile, jax, jax.numpy as jnp, numpy as np, optax_offload as oo
@@ -41,13 +42,13 @@ import json
 import os
 import pathlib
 import threading
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from optax_offload._src import nvme
 
@@ -70,12 +71,15 @@ class NvmeStackLeaf:
   `jax.jit` like the arrays beside it. `offloaded_scan` reads its layers; nothing else does.
   """
 
-  def __init__(self, generation: Any, directory: str, path: str, shape, dtype):
+  def __init__(self, generation: Any, directory: str, path: str, shape, dtype, uid: str = ""):
     self.generation = generation
     self.directory = directory
     self.path = path
     self.shape = tuple(int(d) for d in shape)
     self.dtype = np.dtype(dtype)
+    self.uid = (
+      uid  # the stack's id (in its description): a stack written later in its place differs
+    )
 
   @property
   def ndim(self) -> int:
@@ -86,7 +90,7 @@ class NvmeStackLeaf:
     return int(np.prod(self.shape)) * self.dtype.itemsize
 
   def tree_flatten(self):
-    return (self.generation,), (self.directory, self.path, self.shape, self.dtype.name)
+    return (self.generation,), (self.directory, self.path, self.shape, self.dtype.name, self.uid)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -120,6 +124,7 @@ class _Opened:
   store: nvme.NvmeStore
   paths: list[str]
   num_layers: int
+  uid: str
   last: tuple[tuple[int, int], list[np.ndarray]] | None = None
   """The layer read last, by (layer, generation): the passes read a layer twice in a row where
   they turn (the forward's last layer, the backward's first), which the store would read again."""
@@ -128,7 +133,15 @@ class _Opened:
     last = self.last
     if last is not None and last[0] == (i, generation):
       return last[1]
-    arrays = self.store.fetch(i, generation, then=then)
+    try:
+      arrays = self.store.fetch(i, generation, then=then)
+    except nvme.NvmeCorruptionError as e:
+      names = ", ".join(f"leaf{j} = {p}" for j, p in enumerate(self.paths))
+      raise nvme.NvmeCorruptionError(
+        f"layer {i} of the layer stack at {self.store.directory.parent} failed verification "
+        f"({names}): {e} The stack on disk is damaged: write it again from its source into a new "
+        "directory (oo.write_nvme_stack)."
+      ) from e
     self.last = ((i, generation), arrays)
     return arrays
 
@@ -153,21 +166,41 @@ def _groups(paths, shapes, dtypes, num_layers) -> list[list[nvme.LeafSpec]]:
 
 
 DEFAULT_OPTIONS = nvme.NvmeOptions(prefetch_depth=2)
-"""The store's options unless given: two layers read ahead (the next pair of the pass)."""
+"""The store's options unless given: two layers read ahead (the next pair of the pass). Options
+given replace them whole (`NvmeOptions`' own default reads one layer ahead): pass
+``prefetch_depth=2`` with them to keep two."""
 
 
 def _store(root: pathlib.Path, groups, options, create: bool) -> nvme.NvmeStore:
+  """The stack's store, its errors about the directory said for a stack.
+
+  Raises:
+    RuntimeError: another process (or an optimizer state's NVMe tier) holds the directory.
+    NotADirectoryError: the directory or a parent is a regular file.
+  """
   o = DEFAULT_OPTIONS if options is None else nvme.NvmeOptions.of(options)
-  return nvme.NvmeStore(
-    root / STORE,
-    groups,
-    prefetch_depth=o.prefetch_depth,
-    write_depth=o.write_depth,
-    chunk_bytes=o.chunk_bytes,
-    io_threads=o.io_threads,
-    direct_io=o.direct_io,
-    create=create,
-  )
+  try:
+    return nvme.NvmeStore(
+      root / STORE,
+      groups,
+      prefetch_depth=o.prefetch_depth,
+      write_depth=o.write_depth,
+      chunk_bytes=o.chunk_bytes,
+      io_threads=o.io_threads,
+      direct_io=o.direct_io,
+      create=create,
+    )
+  except RuntimeError as e:
+    raise RuntimeError(
+      f"The layer stack directory {root} is in use by another process or store ({e}). Close "
+      "the stack there with oo.close_nvme_stack(stack) (or let that process exit), or use "
+      "another directory."
+    ) from e
+  except NotADirectoryError as e:
+    raise NotADirectoryError(
+      f"The layer stack directory {root} is not a directory, or a parent of it is a file ({e}); "
+      "pass a directory."
+    ) from e
 
 
 def write_nvme_stack(
@@ -211,6 +244,8 @@ def write_nvme_stack(
     n = int(num_layers)
     first = layers(0)
     flat, treedef = jax.tree_util.tree_flatten_with_path(first)
+    if not flat:
+      raise ValueError("write_nvme_stack: layer 0 has no leaves; return the layer's arrays.")
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
     shapes = [tuple(np.shape(a)) for _, a in flat]
     dtypes = [_dtype(a) for _, a in flat]
@@ -243,6 +278,10 @@ def write_nvme_stack(
       )
     return [np.asarray(jax.device_get(a)) for a in jax.tree.leaves(tree)]
 
+  with _LOCK:  # a stack that lived here was deleted while open: its store goes first
+    stale = _OPEN.pop(key, None)
+  if stale is not None:
+    stale.store.close()
   store = _store(root, _groups(paths, shapes, dtypes, n), options, create=True)
   try:
     generation = store.new_generation()
@@ -263,21 +302,24 @@ def write_nvme_stack(
   doc = {
     "format": FORMAT,
     "version": VERSION,
+    "uid": uuid.uuid4().hex,
     "num_layers": n,
     "leaves": [
       {"path": p, "shape": list(s), "dtype": d.name} for p, s, d in zip(paths, full, dtypes)
     ],
   }
   nvme.write_json_atomic(root / DESCRIPTION, doc)
+  opened = _Opened(store, paths, n, doc["uid"])
   with _LOCK:
-    _OPEN[key] = _Opened(store, paths, n)
-  return _leaves(key, treedef, paths, full, dtypes, store.committed_generation)
+    _OPEN[key] = opened
+  return _leaves(key, treedef, full, dtypes, opened)
 
 
-def _leaves(key, treedef, paths, full, dtypes, generation) -> Any:
-  gen = jnp.asarray(generation, jnp.int32)
+def _leaves(key, treedef, full, dtypes, opened: _Opened) -> Any:
+  gen = jnp.asarray(opened.store.committed_generation, jnp.int32)
   return jax.tree.unflatten(
-    treedef, [NvmeStackLeaf(gen, key, p, s, d) for p, s, d in zip(paths, full, dtypes)]
+    treedef,
+    [NvmeStackLeaf(gen, key, p, s, d, opened.uid) for p, s, d in zip(opened.paths, full, dtypes)],
   )
 
 
@@ -288,8 +330,9 @@ def open_nvme_stack(
 
   Args:
     directory: the stack's directory.
-    like: the stack's structure: a pytree of arrays or `jax.ShapeDtypeStruct`s with the layer
-      axis (e.g. ``jax.eval_shape`` of the function that makes the layers).
+    like: the stack's structure: a pytree of arrays, `jax.ShapeDtypeStruct`s or `NvmeStackLeaf`s
+      with the layer axis (e.g. ``jax.eval_shape`` of the function that makes the layers, or the
+      leaves of the stack before it was closed).
     options: the store's `NvmeOptions` (default `DEFAULT_OPTIONS`), where this process has not
       opened the stack yet.
 
@@ -302,7 +345,7 @@ def open_nvme_stack(
   """
   key = _key(directory)
   doc = _description(key)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_leaf)
   want = [(jax.tree_util.keystr(p), list(np.shape(a)), np.dtype(a.dtype).name) for p, a in flat]
   have = [(d["path"], d["shape"], d["dtype"]) for d in doc["leaves"]]
   if want != have:
@@ -322,8 +365,8 @@ def open_nvme_stack(
     if opened is None:
       groups = _groups(paths, [s[1:] for s in full], dtypes, n)
       store = _store(pathlib.Path(key), groups, options, create=False)
-      opened = _OPEN[key] = _Opened(store, paths, n)
-  return _leaves(key, treedef, paths, full, dtypes, opened.store.committed_generation)
+      opened = _OPEN[key] = _Opened(store, paths, n, doc.get("uid", ""))
+  return _leaves(key, treedef, full, dtypes, opened)
 
 
 def _description(key: str) -> dict[str, Any]:
@@ -354,7 +397,7 @@ def close_nvme_stack(stack: Any) -> None:
       opened.store.close()
 
 
-def _opened(key: str) -> _Opened:
+def _opened(key: str, uid: str) -> _Opened:
   with _LOCK:
     opened = _OPEN.get(key)
   if opened is None:
@@ -362,21 +405,34 @@ def _opened(key: str) -> _Opened:
       f"The layer stack on NVMe at {key} is closed (oo.close_nvme_stack) or was opened in another "
       "process; open it with oo.open_nvme_stack(directory, like)."
     )
+  if opened.uid != uid:
+    raise RuntimeError(
+      f"The layer stack on NVMe at {key} was written again since these leaves were made (another "
+      "stack now lives there); open it with oo.open_nvme_stack(directory, like) for its leaves."
+    )
   return opened
 
 
 def read_nvme_stack(stack: Any) -> Any:
-  """The stack's arrays, read whole into host memory (numpy), e.g. to check or convert it."""
+  """The stack's arrays, read whole into host memory (numpy), e.g. to check or convert it.
 
-  def read(x):
-    if not is_leaf(x):
-      return x
-    opened = _opened(x.directory)
-    j = opened.paths.index(x.path)
-    gen = int(np.asarray(x.generation))
-    return np.stack([opened.store.fetch(i, gen)[j] for i in range(opened.num_layers)])
-
-  return jax.tree.map(read, stack, is_leaf=is_leaf)
+  Each layer is read once (its store group holds every leaf of the layer)."""
+  leaves, treedef = jax.tree.flatten(stack, is_leaf=is_leaf)
+  on_disk = [k for k, x in enumerate(leaves) if is_leaf(x)]
+  rows: dict[int, list[np.ndarray]] = {k: [] for k in on_disk}
+  by_store: dict[tuple[str, int], list[int]] = {}
+  for k in on_disk:
+    x = leaves[k]
+    by_store.setdefault((x.directory, int(np.asarray(x.generation))), []).append(k)
+  for (key, gen), ks in by_store.items():
+    opened = _opened(key, leaves[ks[0]].uid)
+    members = [opened.paths.index(leaves[k].path) for k in ks]
+    for i in range(opened.num_layers):
+      arrays = opened.fetch(i, gen, [(j, gen) for j in range(i + 1, opened.num_layers)])
+      for k, j in zip(ks, members):
+        rows[k].append(arrays[j])
+  out = [np.stack(rows[k]) if k in rows else x for k, x in enumerate(leaves)]
+  return jax.tree.unflatten(treedef, out)
 
 
 PASSES = ("forward", "train_forward", "backward")
@@ -431,15 +487,18 @@ def read_layer(
     members = [leaves[k].path for k in ks]
     shapes = [jax.ShapeDtypeStruct(leaves[k].shape[1:], leaves[k].dtype) for k in ks]
 
-    def fetch(i, generation, token, key=key, members=members):
-      opened = _opened(key)
+    def fetch(i, generation, token, key=key, members=members, uid=leaves[ks[0]].uid):
+      opened = _opened(key, uid)
       i, gen = int(i), int(generation)
       ahead = read_ahead(i, opened.num_layers, where, 4)  # the store reads its prefetch_depth
       arrays = opened.fetch(i, gen, [(j, gen) for j in ahead])
       return [*(np.asarray(arrays[opened.paths.index(m)]) for m in members), np.asarray(token)]
 
+    # A pure callback: a committed generation of a frozen stack reads the same bytes every time,
+    # so `jax.checkpoint` may recompute the read (an io_callback's effect refuses it); the token
+    # keeps the reads in program order.
     with jax.named_scope(FETCH_SCOPE):
-      *got, token = io_callback(
+      *got, token = jax.pure_callback(
         fetch, [*shapes, jax.ShapeDtypeStruct((), jnp.int32)], i, leaves[ks[0]].generation, token
       )
     for k, a in zip(ks, got):

@@ -318,14 +318,15 @@ def offloaded_scan(
       stack's structure without the leading axis, in device memory.
     carry: the initial carry, e.g. the hidden states (device memory).
     stack: a pytree of arrays with a common leading layer axis, in pinned host memory (some
-      leaves may be on the device).
+      leaves may be on the device), and frozen leaves on NVMe (`oo.write_nvme_stack`'s
+      `NvmeStackLeaf`s: read a layer at a time from the drive, no gradient computed).
 
   Returns:
     ``(carry, ys)`` as `jax.lax.scan` returns them; `ys` (the stacked `y`) in device memory.
 
   Raises:
     ValueError: when the stack is empty, its leaves disagree on the leading axis or none is in
-      host memory; the message names the leaves.
+      host memory or on NVMe; the message names the leaves.
     TypeError: when `body` does not return ``(carry, y)`` with the carry's shapes and dtypes.
 
   Examples:

@@ -45,6 +45,7 @@ from jax import lax
 from optax_offload._src import _compat
 from optax_offload._src import fused_scan
 from optax_offload._src import layout as layout_lib
+from optax_offload._src import memory
 from optax_offload._src import nvme_stack
 from optax_offload._src import offload as offload_lib
 from optax_offload._src import offloaded_scan as scan_lib
@@ -328,6 +329,7 @@ class _Step:
         self.micro(batch, 0),
       )
       acc_stack = [c["acc"] for c in cot0]
+      g0 = _rest_on_device(g0, rest)
       acc_rest = {i: _mean(_opaque_zeros(g0[i], self.acc_dtype), g0[i], n0) for i in rest}
       value_sum = _loss(value0, self.has_aux)
 
@@ -340,6 +342,7 @@ class _Step:
           leaves,
           self.micro(batch, n),
         )
+        g = _rest_on_device(g, rest)
         acc_rest = {i: _mean(acc_rest[i], g[i], n) for i in rest}
         return [c["acc"] for c in cot], acc_rest, value_sum + _loss(value, self.has_aux)
 
@@ -621,9 +624,10 @@ class _Step:
 
   def final_rest_grads(self, g, acc_rest, rest, n_last):
     grads = list(g)
-    for i in rest:
-      if acc_rest is not None:
-        grads[i] = _mean(acc_rest[i], g[i], n_last).astype(jnp.result_type(g[i]))
+    if acc_rest is not None:
+      on_device = _rest_on_device(g, rest)
+      for i in rest:
+        grads[i] = _mean(acc_rest[i], on_device[i], n_last).astype(jnp.result_type(g[i]))
     return grads
 
   def update_rest(self, grads, members, grad_transform, token):
@@ -804,6 +808,17 @@ def _from_carrier(tree, like):
   return jax.tree.map(
     lambda x, a: x if x.dtype == a.dtype else lax.bitcast_convert_type(x, a.dtype), tree, like
   )
+
+
+def _rest_on_device(g, rest):
+  """The gradients of the leaves outside the fused stacks, those in host memory moved to the device
+  for their accumulators there (a stack that is not fused, e.g. one that mixes params with frozen
+  leaves, gives its gradient in pinned host memory, as `offloaded_scan` does)."""
+  g = list(g)
+  for i in rest:
+    if memory.in_host(g[i]):
+      g[i] = jax.device_put(g[i], jax.memory.Space.Device)
+  return g
 
 
 def _opaque_zeros(like, dtype):
