@@ -5,6 +5,7 @@ across steps; here: AdamW on 1-D and 2-D meshes against plain optax, where every
 lives, what the host tier costs per process, and that the grouped update adds no collectives.
 """
 
+import functools
 import re
 
 import jax
@@ -371,3 +372,54 @@ def test_the_host_update_on_explicit_axes_gathers_as_on_auto_axes():
     gathers[kind] = sorted(re.findall(r"= (\S+) all-gather(?:-start)?\(", text))
   assert gathers["Auto"], "the pattern finds XLA's gathers"
   assert gathers["Explicit"] == gathers["Auto"]
+
+
+@pytest.mark.parametrize("ambient", [True, False], ids=["set_mesh", "no_mesh"])
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_offloaded_scan_with_a_sharded_carry(tmp_path, axis_type, ambient):
+  """The carry sharded over the mesh, the stack replicated in pinned host memory or on NVMe, per-
+  layer outputs sharded too: values and gradients (carry, stack) are the plain scan's on the same
+  mesh. On Explicit axes the backward failed before ("dynamic_update_slice operand sharding must
+  be equal to update sharding"): the residual and output buffers now carry the carry's sharding,
+  and a replicated gradient block is placed as its buffer."""
+  import contextlib
+
+  n, d = 3, 8
+  mesh = jax.make_mesh((4,), ("x",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+  rng = np.random.default_rng(0)
+  w = (rng.normal(size=(n, d, d)) * 0.3).astype(np.float32)
+  x_np = rng.normal(size=(8, d)).astype(np.float32)
+  body = lambda x, p: (jnp.tanh(x @ p["w"]), x * 2)  # noqa: E731
+  on_nvme = oo.write_nvme_stack(tmp_path / "w", {"w": w})
+  try:
+    with jax.set_mesh(mesh) if ambient else contextlib.nullcontext():
+      x = jax.device_put(x_np, NamedSharding(mesh, P("x")))
+      replicated = NamedSharding(mesh, P())
+      stacks = {
+        "plain": {"w": jax.device_put(w, replicated)},
+        "pinned": {"w": jax.device_put(w, replicated.with_memory_kind("pinned_host"))},
+        "nvme": on_nvme,
+      }
+
+      def loss(s, x, scan):
+        y, ys = scan(body, x, s)
+        return jnp.sum(y**2) + jnp.sum(ys)
+
+      plain = lambda f, c, s: jax.lax.scan(jax.checkpoint(f), c, s)  # noqa: E731
+      got = {}
+      for name, s in stacks.items():
+        scan = plain if name == "plain" else oo.offloaded_scan
+        grad = jax.value_and_grad(
+          functools.partial(loss, scan=scan), argnums=(1, 0), allow_int=True
+        )
+        got[name] = jax.block_until_ready(jax.jit(grad)(s, x))
+    value, (gx, gs) = got["plain"]
+    for name in ("pinned", "nvme"):
+      v, (gx2, gs2) = got[name]
+      np.testing.assert_array_equal(np.asarray(v), np.asarray(value), err_msg=name)
+      np.testing.assert_array_equal(np.asarray(gx2), np.asarray(gx), err_msg=name)
+      assert gx2.sharding.is_equivalent_to(gx.sharding, 2), (name, gx2.sharding, gx.sharding)
+      assert gx.sharding.is_equivalent_to(NamedSharding(mesh, P("x")), 2)
+    np.testing.assert_array_equal(np.asarray(got["pinned"][1][1]["w"]), np.asarray(gs["w"]))
+  finally:
+    oo.close_nvme_stack(on_nvme)

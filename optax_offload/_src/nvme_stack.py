@@ -388,7 +388,9 @@ def _description(key: str) -> dict[str, Any]:
 def close_nvme_stack(stack: Any) -> None:
   """Closes the stores of a stack's `NvmeStackLeaf` leaves (their directories stay on disk).
 
-  The stack cannot be read afterwards; `open_nvme_stack` opens it again.
+  The stack cannot be read afterwards; `open_nvme_stack` opens it again. Close it once the
+  computations that read it are done (``jax.block_until_ready`` of their results): a read that
+  finds the stack closed raises inside the running program.
   """
   for key in {x.directory for x in jax.tree.leaves(stack, is_leaf=is_leaf) if is_leaf(x)}:
     with _LOCK:

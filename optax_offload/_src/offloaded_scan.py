@@ -111,6 +111,13 @@ def _set(buf, i, tree):
 def _put(buf, i, block):
   """``buf[i:i+len(block)] = block`` in the buffer's own memory (in host memory an async
   device->host write)."""
+  sharding, given = jax.typeof(buf).sharding, jax.typeof(block).sharding
+  if memory.on_explicit_axes(sharding) and (
+    not memory.on_explicit_axes(given) or given.spec != sharding.spec
+  ):
+    # JAX refuses an update sharded otherwise than its buffer on Explicit axes (a replicated
+    # gradient may come without the mesh in its type).
+    block = jax.sharding.reshard(block, jax.sharding.NamedSharding(sharding.mesh, sharding.spec))
   if memory.in_host(buf):
     block = jax.device_put(block, HOST)
   return lax.dynamic_update_slice_in_dim(buf, block.astype(buf.dtype), i, 0)
@@ -172,16 +179,33 @@ def _empty(like, dtype=None):
   XLA:GPU allocates a host one in host memory; ``jnp.zeros`` instead builds the zeros on the
   device and copies them (measured: a device temporary the size of the stack).
   """
-  e = lax.empty(jnp.shape(like), jnp.result_type(like) if dtype is None else dtype)
+  sharding = jax.typeof(like).sharding
+  placed = None  # as `like`, on Explicit axes (its mesh, in device memory: moved below)
+  if memory.on_explicit_axes(sharding):
+    placed = jax.sharding.NamedSharding(sharding.mesh, sharding.spec)
+  dtype = jnp.result_type(like) if dtype is None else dtype
+  e = lax.empty(jnp.shape(like), dtype, out_sharding=placed)
   return jax.device_put(e, HOST) if memory.in_host(like) else e
+
+
+def _stacked_zeros(n: int, like) -> jax.Array:
+  """Zeros for `n` stacked copies of `like` (a layer's carry or output, an array or a
+  `jax.ShapeDtypeStruct`). On Explicit mesh axes, sharded as `like` is along its own axes: a
+  layer's slice is written into them as it comes, and JAX refuses an update sharded otherwise."""
+  sharding = like.sharding if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like).sharding
+  shape, dtype = (n, *jnp.shape(like)), like.dtype
+  if memory.on_explicit_axes(sharding):
+    spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+    return jnp.zeros(shape, dtype, out_sharding=jax.sharding.NamedSharding(sharding.mesh, spec))
+  return jnp.zeros(shape, dtype)
 
 
 def _forward(body, consts, carry, stack, y_aval, *, save):
   """Runs the stack; returns the final carry, the stacked per-layer outputs, with `save` every
   layer's input carry (the residuals of the backward), and the read token (`_fetch`)."""
   n = _num_layers(stack)
-  xs = jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), carry) if save else None
-  ys = jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), y_aval)
+  xs = jax.tree.map(lambda a: _stacked_zeros(n, a), carry) if save else None
+  ys = jax.tree.map(lambda a: _stacked_zeros(n, a), y_aval)
 
   def one(x, w, i, xs, ys):
     if save:
@@ -242,6 +266,14 @@ def _backward(one, stack, g, gconsts, tok):
   init = (g, wb, gconsts, gstack, blk0, tok)
   (g, _, gconsts, gstack, blk, _), _ = lax.scan(pair, init, jnp.arange(n // 2))
   return gconsts, g, _write(gstack, 0, blk, rows=2)
+
+
+def _aval(a) -> jax.ShapeDtypeStruct:
+  """`a`'s shape and dtype, and its sharding on Explicit mesh axes (`_stacked_zeros`); hashable,
+  for a static argument."""
+  sharding = getattr(a, "sharding", None)
+  keep = sharding if memory.on_explicit_axes(sharding) else None
+  return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=keep)
 
 
 def _check_body_output(out_aval, carry) -> None:
@@ -359,7 +391,7 @@ def offloaded_scan(
 
   out_aval = jax.eval_shape(layer, consts, carry, w_aval)
   _check_body_output(out_aval, carry)
-  y_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out_aval[1])
+  y_aval = jax.tree.map(_aval, out_aval[1])
   return _streamed(layer, y_aval, list(consts), carry, stack)
 
 
