@@ -47,6 +47,24 @@ def scanned(scan, lora, base, x, scale):
   return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(ys.astype(jnp.float32))
 
 
+def train_plain(tx, loss, params, base, xs):
+  """Plain optax, one step per batch of `xs`: ``loss(params, base, x, scan)`` with the base in
+  device memory and ``scan`` the plain ``lax.scan(jax.checkpoint(body), ...)``."""
+  plain_scan = lambda f, c, s: lax.scan(jax.checkpoint(f), c, s)  # noqa: E731
+  dev_base = jax.tree.map(jnp.asarray, base)
+
+  @jax.jit
+  def step(p, s, x):
+    g = jax.grad(loss)(p, dev_base, x, plain_scan)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  state = tx.init(params)
+  for x in xs:
+    params, state = step(params, state, x)
+  return params
+
+
 @pytest.fixture
 def stack_dir(tmp_path):
   yield tmp_path / "base"
@@ -110,19 +128,7 @@ def test_adapters_train_on_a_frozen_base_as_with_plain_optax(stack_dir):
     return jnp.sum((y - 0.1) ** 2) + jnp.sum(params["head"] ** 2)
 
   params = {"lora": jax.tree.map(jnp.asarray, lora), "head": jnp.ones((8,))}
-  plain_tx = optax.adamw(1e-2)
-  plain_scan = lambda f, c, s: lax.scan(jax.checkpoint(f), c, s)  # noqa: E731
-  want, state = params, plain_tx.init(params)
-  dev_base = jax.tree.map(jnp.asarray, base)
-
-  @jax.jit
-  def plain_step(p, s, x):
-    g = jax.grad(loss)(p, dev_base, x, plain_scan)
-    u, s = plain_tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  for x in xs:
-    want, state = plain_step(want, state, x)
+  want = train_plain(optax.adamw(1e-2), loss, params, base, xs)
 
   start = {
     "lora": oo.to_pinned_host(params["lora"]),
@@ -167,21 +173,8 @@ def test_adapters_accumulate_over_micro_batches_as_multisteps(stack_dir, where):
     y, _ = scan(body, x, {"base": base, "lora": params})
     return jnp.sum((y - 0.1) ** 2)
 
-  plain_scan = lambda f, c, s: lax.scan(jax.checkpoint(f), c, s)  # noqa: E731
-  dev_base = jax.tree.map(jnp.asarray, base)
   plain = optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=2)
-  want, state = jax.tree.map(jnp.asarray, lora), None
-  state = plain.init(want)
-
-  @jax.jit
-  def plain_step(p, s, x):
-    g = jax.grad(loss)(p, dev_base, x, plain_scan)
-    u, s = plain.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  for batch in xs:
-    for x in batch:
-      want, state = plain_step(want, state, x)
+  want = train_plain(plain, loss, jax.tree.map(jnp.asarray, lora), base, xs.reshape(-1, 3, 8))
   tx = oo.offload(optax.adamw(1e-2))
   step = jax.jit(
     oo.value_and_update(lambda p, x: loss(p, frozen, x, oo.offloaded_scan), tx, accumulate=2)

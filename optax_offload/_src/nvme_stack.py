@@ -1,7 +1,7 @@
 """Layer stacks on NVMe: weights that `offloaded_scan` reads from the drive one layer at a time.
 
-A model whose stacked layer weights fit neither on the card nor in RAM (a 70B base in bf16 is
-140 GB) can keep them on an NVMe drive: `write_nvme_stack` writes a stack once, a layer per store
+A model whose stacked layer weights fit neither on the card nor in RAM (a 70B model's weights
+are 140 GB in bf16) can keep them on an NVMe drive: `write_nvme_stack` writes a stack once, a layer per store
 group (`nvme.NvmeStore`: zarr3 files that TensorStore reads, checksummed, read with direct I/O),
 and returns the stack with an `NvmeStackLeaf` in place of each array. `offloaded_scan` takes such
 leaves beside arrays in pinned host memory or on the device: each layer's weights come from the
@@ -77,9 +77,8 @@ class NvmeStackLeaf:
     self.path = path
     self.shape = tuple(int(d) for d in shape)
     self.dtype = np.dtype(dtype)
-    self.uid = (
-      uid  # the stack's id (in its description): a stack written later in its place differs
-    )
+    # The stack's id (in its description): a stack written later in its place has another.
+    self.uid = uid
 
   @property
   def ndim(self) -> int:
@@ -110,11 +109,6 @@ class NvmeStackLeaf:
 def is_leaf(x: Any) -> bool:
   """Whether `x` is an `NvmeStackLeaf` (an `is_leaf` for tree maps over a stack)."""
   return isinstance(x, NvmeStackLeaf)
-
-
-def has_leaves(tree: Any) -> bool:
-  """Whether some leaf of `tree` is an `NvmeStackLeaf`."""
-  return any(is_leaf(x) for x in jax.tree.leaves(tree, is_leaf=is_leaf))
 
 
 @dataclasses.dataclass

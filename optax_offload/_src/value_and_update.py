@@ -817,7 +817,7 @@ def _rest_on_device(g, rest):
   g = list(g)
   for i in rest:
     if memory.in_host(g[i]):
-      g[i] = jax.device_put(g[i], jax.memory.Space.Device)
+      g[i] = jax.device_put(g[i], memory.DEVICE)
   return g
 
 
