@@ -159,7 +159,7 @@ def fused_scan(
   """
   layers_lib._num_layers(stack)
   w_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
-  out_aval = jax.eval_shape(body, consts, carry, w_aval)
+  out_aval = layers_lib.body_avals(body, consts, carry, w_aval)
   layers_lib._check_body_output(out_aval, carry)
   y_aval = jax.tree.map(layers_lib._aval, out_aval[1])
   return _fused(body, y_aval, consumer, consts, carry, stack, io)

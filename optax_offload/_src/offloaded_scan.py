@@ -108,16 +108,22 @@ def _set(buf, i, tree):
   return jax.tree.map(lambda b, t: lax.dynamic_update_index_in_dim(b, t, i, 0), buf, tree)
 
 
-def _put(buf, i, block):
-  """``buf[i:i+len(block)] = block`` in the buffer's own memory (in host memory an async
-  device->host write)."""
-  sharding, given = jax.typeof(buf).sharding, jax.typeof(block).sharding
+def _placed_as(x, like):
+  """`x` resharded as `like` where `like` is on Explicit mesh axes and `x`'s type says otherwise:
+  JAX refuses an update or a loop carry sharded otherwise than its buffer there (a replicated
+  gradient may even come without the mesh in its type)."""
+  sharding, given = jax.typeof(like).sharding, jax.typeof(x).sharding
   if memory.on_explicit_axes(sharding) and (
     not memory.on_explicit_axes(given) or given.spec != sharding.spec
   ):
-    # JAX refuses an update sharded otherwise than its buffer on Explicit axes (a replicated
-    # gradient may come without the mesh in its type).
-    block = jax.sharding.reshard(block, jax.sharding.NamedSharding(sharding.mesh, sharding.spec))
+    x = jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, sharding.spec))
+  return x
+
+
+def _put(buf, i, block):
+  """``buf[i:i+len(block)] = block`` in the buffer's own memory (in host memory an async
+  device->host write)."""
+  block = _placed_as(block, buf)
   if memory.in_host(buf):
     block = jax.device_put(block, HOST)
   return lax.dynamic_update_slice_in_dim(buf, block.astype(buf.dtype), i, 0)
@@ -160,13 +166,14 @@ def _num_layers(stack: Any) -> int:
 
 
 def _check_on_host(stack) -> None:
-  """A ValueError unless some leaf of the stack is in host memory (leaves on the device are used
-  in place: a card with room keeps them)."""
+  """A ValueError unless some leaf of the stack is in host memory or on NVMe (leaves on the
+  device are used in place: a card with room keeps them)."""
   leaves = jax.tree_util.tree_leaves_with_path(stack, is_leaf=nvme_stack.is_leaf)
   if not any(nvme_stack.is_leaf(a) or memory.in_host(a) for _, a in leaves):
     bad = [jax.tree_util.keystr(p) or "stack" for p, _ in leaves]
     raise ValueError(
-      f"offloaded_scan: the layer stack must live in pinned host memory, but {', '.join(bad)} "
+      f"offloaded_scan: the layer stack must live in pinned host memory (or on NVMe: "
+      f"oo.write_nvme_stack), but {', '.join(bad)} "
       f"{'is' if len(bad) == 1 else 'are'} in device memory; {_HOST_HOWTO}. (Leaves of the stack "
       "may stay on the device when the card has room for them, beside others in host memory.)"
     )
@@ -250,7 +257,7 @@ def _backward(one, stack, g, gconsts, tok):
     return gconsts, g, gstack
   # The first iteration writes its (zero) block at rows top-1 and top; both are written again
   # later with their true gradients: one wasted two-layer write per step, no branch in the loop.
-  blk0 = [jnp.zeros((2,) + a.shape[1:], a.dtype) for a in _trainable(stack)]
+  blk0 = [_stacked_zeros(2, _layer_aval(a)) for a in _trainable(stack)]
 
   def pair(c, k):
     g, wb, gconsts, gstack, blk, tok = c  # wb: layer hi's weights; blk: gradients of hi+1, hi+2
@@ -260,12 +267,30 @@ def _backward(one, stack, g, gconsts, tok):
     g, gconsts, g_hi = one(g, wb, hi, gconsts)
     wb, tok = fetch(jnp.maximum(hi - 2, 0), token=tok)  # in flight during layer hi-1's backward
     g, gconsts, g_lo = one(g, wa, hi - 1, gconsts)
-    blk = jax.tree.map(lambda a, b: jnp.stack([a, b]), g_lo, g_hi)
+    blk = [_placed_as(jnp.stack([a, b]), z) for a, b, z in zip(g_lo, g_hi, blk0)]
     return (g, wb, gconsts, gstack, blk, tok), None
 
   init = (g, wb, gconsts, gstack, blk0, tok)
   (g, _, gconsts, gstack, blk, _), _ = lax.scan(pair, init, jnp.arange(n // 2))
   return gconsts, g, _write(gstack, 0, blk, rows=2)
+
+
+def _layer_aval(a) -> jax.ShapeDtypeStruct:
+  """One layer of stack leaf `a` (its leading axis dropped), in device memory; on Explicit mesh
+  axes sharded as `a` is along its other axes (a layer's gradient comes so)."""
+  sharding = jax.typeof(a).sharding
+  placed = None
+  if memory.on_explicit_axes(sharding):
+    spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:])
+    placed = jax.sharding.NamedSharding(sharding.mesh, spec)
+  return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=placed)
+
+
+def body_avals(layer, *args):
+  """``layer(*args)``'s output as abstract values, with their shardings on mixed Explicit and
+  Auto mesh axes too (`jax.eval_shape` drops them there; the traced program keeps them)."""
+  closed, shapes = jax.make_jaxpr(layer, return_shape=True)(*args)
+  return jax.tree.unflatten(jax.tree.structure(shapes), closed.out_avals)
 
 
 def _aval(a) -> jax.ShapeDtypeStruct:
@@ -389,7 +414,7 @@ def offloaded_scan(
     consumer, io = claimed
     return fused_scan.fused_scan(layer, consumer, list(consts), carry, stack, io)
 
-  out_aval = jax.eval_shape(layer, consts, carry, w_aval)
+  out_aval = body_avals(layer, consts, carry, w_aval)
   _check_body_output(out_aval, carry)
   y_aval = jax.tree.map(_aval, out_aval[1])
   return _streamed(layer, y_aval, list(consts), carry, stack)

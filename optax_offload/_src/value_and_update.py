@@ -163,8 +163,11 @@ def value_and_update(
       averages them (its running mean), before one update.
     accumulator_dtype: dtype of the accumulated gradients (``optax.MultiSteps``' default, float32;
       ``"bf16"`` or ``jnp.bfloat16`` halves the host memory a stack's accumulators take).
-      A stack leaf's accumulator lives beside the leaf during the step (in host memory for a
-      leaf there, on the device for a leaf kept on the device).
+      A fused stack leaf's accumulator lives beside the leaf during the step (in host memory
+      for a leaf there, on the device for a leaf kept on the device). The accumulators of the
+      other leaves (params outside the stacks, and a stack that is not fused, e.g. one that
+      mixes params with frozen leaves) are on the device, as ``optax.MultiSteps``' are, also
+      for a leaf in host memory: their device bytes are the leaves' own.
 
   Returns:
     ``step(params, state, *batch, **kwargs) -> (value, params, state)``; with ``accumulate > 1``
