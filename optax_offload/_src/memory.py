@@ -58,6 +58,16 @@ def on_explicit_axes(sharding: Any) -> bool:
   return jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
 
 
+def reshard_as(x: jax.Array, sharding: Any) -> jax.Array:
+  """`x` resharded to `sharding` (a type's sharding) where that is on Explicit mesh axes and `x`'s
+  type says otherwise: jax refuses an update, a loop carry or a result sharded otherwise there (a
+  replicated array may even come without the mesh in its type). Elsewhere `x` as it is."""
+  given = jax.typeof(x).sharding
+  if on_explicit_axes(sharding) and (not on_explicit_axes(given) or given.spec != sharding.spec):
+    x = jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, sharding.spec))
+  return x
+
+
 def replicated(
   sharding: jax.sharding.NamedSharding, memory_kind: str | None = None
 ) -> jax.sharding.NamedSharding:

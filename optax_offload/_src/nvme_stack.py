@@ -174,16 +174,7 @@ def _store(root: pathlib.Path, groups, options, create: bool) -> nvme.NvmeStore:
   """
   o = DEFAULT_OPTIONS if options is None else nvme.NvmeOptions.of(options)
   try:
-    return nvme.NvmeStore(
-      root / STORE,
-      groups,
-      prefetch_depth=o.prefetch_depth,
-      write_depth=o.write_depth,
-      chunk_bytes=o.chunk_bytes,
-      io_threads=o.io_threads,
-      direct_io=o.direct_io,
-      create=create,
-    )
+    return nvme.NvmeStore(root / STORE, groups, create=create, **dataclasses.asdict(o))
   except RuntimeError as e:
     raise RuntimeError(
       f"The layer stack directory {root} is in use by another process or store ({e}). Close "

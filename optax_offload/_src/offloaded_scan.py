@@ -108,22 +108,10 @@ def _set(buf, i, tree):
   return jax.tree.map(lambda b, t: lax.dynamic_update_index_in_dim(b, t, i, 0), buf, tree)
 
 
-def _placed_as(x, like):
-  """`x` resharded as `like` where `like` is on Explicit mesh axes and `x`'s type says otherwise:
-  JAX refuses an update or a loop carry sharded otherwise than its buffer there (a replicated
-  gradient may even come without the mesh in its type)."""
-  sharding, given = jax.typeof(like).sharding, jax.typeof(x).sharding
-  if memory.on_explicit_axes(sharding) and (
-    not memory.on_explicit_axes(given) or given.spec != sharding.spec
-  ):
-    x = jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, sharding.spec))
-  return x
-
-
 def _put(buf, i, block):
   """``buf[i:i+len(block)] = block`` in the buffer's own memory (in host memory an async
   device->host write)."""
-  block = _placed_as(block, buf)
+  block = memory.reshard_as(block, jax.typeof(buf).sharding)
   if memory.in_host(buf):
     block = jax.device_put(block, HOST)
   return lax.dynamic_update_slice_in_dim(buf, block.astype(buf.dtype), i, 0)
@@ -179,6 +167,14 @@ def _check_on_host(stack) -> None:
     )
 
 
+def _explicit(sharding, spec=lambda spec: spec):
+  """On Explicit mesh axes, `sharding` (a type's) as a NamedSharding of its mesh, its spec mapped
+  by `spec`; None elsewhere (on Auto axes XLA places the buffers the scan makes)."""
+  if not memory.on_explicit_axes(sharding):
+    return None
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec(sharding.spec)))
+
+
 def _empty(like, dtype=None):
   """An uninitialised buffer shaped like `like` (in `dtype`, default its own) in its memory, as
   `lax.scan` makes its stacked outputs.
@@ -186,10 +182,7 @@ def _empty(like, dtype=None):
   XLA:GPU allocates a host one in host memory; ``jnp.zeros`` instead builds the zeros on the
   device and copies them (measured: a device temporary the size of the stack).
   """
-  sharding = jax.typeof(like).sharding
-  placed = None  # as `like`, on Explicit axes (its mesh, in device memory: moved below)
-  if memory.on_explicit_axes(sharding):
-    placed = jax.sharding.NamedSharding(sharding.mesh, sharding.spec)
+  placed = _explicit(jax.typeof(like).sharding)  # as `like` (in device memory: moved below)
   dtype = jnp.result_type(like) if dtype is None else dtype
   e = lax.empty(jnp.shape(like), dtype, out_sharding=placed)
   return jax.device_put(e, HOST) if memory.in_host(like) else e
@@ -200,11 +193,8 @@ def _stacked_zeros(n: int, like) -> jax.Array:
   `jax.ShapeDtypeStruct`). On Explicit mesh axes, sharded as `like` is along its own axes: a
   layer's slice is written into them as it comes, and JAX refuses an update sharded otherwise."""
   sharding = like.sharding if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like).sharding
-  shape, dtype = (n, *jnp.shape(like)), like.dtype
-  if memory.on_explicit_axes(sharding):
-    spec = jax.sharding.PartitionSpec(None, *sharding.spec)
-    return jnp.zeros(shape, dtype, out_sharding=jax.sharding.NamedSharding(sharding.mesh, spec))
-  return jnp.zeros(shape, dtype)
+  stacked = _explicit(sharding, lambda spec: (None, *spec))
+  return jnp.zeros((n, *jnp.shape(like)), like.dtype, out_sharding=stacked)
 
 
 def _forward(body, consts, carry, stack, y_aval, *, save):
@@ -267,7 +257,10 @@ def _backward(one, stack, g, gconsts, tok):
     g, gconsts, g_hi = one(g, wb, hi, gconsts)
     wb, tok = fetch(jnp.maximum(hi - 2, 0), token=tok)  # in flight during layer hi-1's backward
     g, gconsts, g_lo = one(g, wa, hi - 1, gconsts)
-    blk = [_placed_as(jnp.stack([a, b]), z) for a, b, z in zip(g_lo, g_hi, blk0)]
+    blk = [
+      memory.reshard_as(jnp.stack([a, b]), jax.typeof(z).sharding)
+      for a, b, z in zip(g_lo, g_hi, blk0)
+    ]
     return (g, wb, gconsts, gstack, blk, tok), None
 
   init = (g, wb, gconsts, gstack, blk0, tok)
@@ -278,12 +271,8 @@ def _backward(one, stack, g, gconsts, tok):
 def _layer_aval(a) -> jax.ShapeDtypeStruct:
   """One layer of stack leaf `a` (its leading axis dropped), in device memory; on Explicit mesh
   axes sharded as `a` is along its other axes (a layer's gradient comes so)."""
-  sharding = jax.typeof(a).sharding
-  placed = None
-  if memory.on_explicit_axes(sharding):
-    spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:])
-    placed = jax.sharding.NamedSharding(sharding.mesh, spec)
-  return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=placed)
+  row = _explicit(jax.typeof(a).sharding, lambda spec: tuple(spec)[1:])
+  return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=row)
 
 
 def body_avals(layer, *args):
@@ -296,9 +285,7 @@ def body_avals(layer, *args):
 def _aval(a) -> jax.ShapeDtypeStruct:
   """`a`'s shape and dtype, and its sharding on Explicit mesh axes (`_stacked_zeros`); hashable,
   for a static argument."""
-  sharding = getattr(a, "sharding", None)
-  keep = sharding if memory.on_explicit_axes(sharding) else None
-  return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=keep)
+  return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_explicit(getattr(a, "sharding", None)))
 
 
 def _check_body_output(out_aval, carry) -> None:

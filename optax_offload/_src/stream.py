@@ -848,10 +848,7 @@ def _flat(x: jax.Array) -> jax.Array:
 
 def _unflat(x: jax.Array, shape: tuple[int, ...], like: Any) -> jax.Array:
   """`x` (`_flat`'s) in `shape`, sharded as the type sharding `like` (on Explicit mesh axes)."""
-  x = x.reshape(shape)
-  if memory.on_explicit_axes(like) and jax.typeof(x).sharding != like:
-    x = jax.sharding.reshard(x, like)
-  return x
+  return memory.reshard_as(x.reshape(shape), like)
 
 
 def _run_on_host(r: _Run, nvme, token):
