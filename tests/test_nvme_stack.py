@@ -281,12 +281,17 @@ def test_a_stack_held_by_another_process_or_written_again_is_refused(stack_dir):
     oo.read_nvme_stack(old)
 
 
-def test_frozen_leaves_are_refused_where_an_optimizer_or_an_array_is_expected(stack_dir):
+def test_stack_leaves_are_refused_where_an_update_or_an_array_is_expected(stack_dir):
   base, _ = layers_of(2)
   on_nvme = oo.write_nvme_stack(stack_dir, base)
   tx = oo.offload(optax.adam(1e-3))
-  with pytest.raises(ValueError, match=r"\['base'\]\['w'\].* frozen"):
-    tx.init({"base": on_nvme, "head": jnp.ones(3)})
+  params = {"base": on_nvme, "head": jnp.ones(3)}
+  state = tx.init(params)  # made from the stack's weights, for oo.value_and_update to train
+  grads = {"base": jax.tree.map(jnp.zeros_like, base), "head": jnp.ones(3)}
+  with pytest.raises(ValueError, match=r"\['base'\]\['w'\].* only oo.value_and_update trains"):
+    oo.update_and_apply(tx, grads, state, params)
+  with pytest.raises(ValueError, match=r"\['base'\]\['w'\].* only oo.value_and_update trains"):
+    tx.update(grads, state, params)
   with pytest.raises(TypeError, match="only oo.offloaded_scan reads it"):
     jnp.asarray(on_nvme["w"])
 

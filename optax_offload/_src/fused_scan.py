@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from optax_offload._src import nvme_stack
 from optax_offload._src import offloaded_scan as layers_lib
 
 _HOST = jax.memory.Space.Host
@@ -119,6 +120,18 @@ def _rows(a: jax.Array, i, n: int) -> jax.Array:
   return jax.device_put(r, _DEVICE) if _space(a) == _HOST else r
 
 
+def _weights(leaves, i, tok, where="update_backward"):
+  """Layer ``i`` of each weight leaf as a ``[1, ...]`` row on the device, and the read token: a
+  leaf on NVMe (a stack the step trains) is read by `nvme_stack.read_layer`, chained by `tok`."""
+  disk = [k for k, a in enumerate(leaves) if nvme_stack.is_leaf(a)]
+  out = [None if k in disk else _row(a, i) for k, a in enumerate(leaves)]
+  if disk:
+    got, tok = nvme_stack.read_layer([leaves[k] for k in disk], i, where, tok)
+    for k, a in zip(disk, got):
+      out[k] = a[None]
+  return tuple(out), tok
+
+
 _put = layers_lib._put
 
 
@@ -158,7 +171,9 @@ def fused_scan(
     ``(carry, ys)`` as `offloaded_scan`.
   """
   layers_lib._num_layers(stack)
-  w_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
+  w_aval = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack, is_leaf=nvme_stack.is_leaf
+  )
   out_aval = layers_lib.body_avals(body, consts, carry, w_aval)
   layers_lib._check_body_output(out_aval, carry)
   y_aval = jax.tree.map(layers_lib._aval, out_aval[1])
@@ -177,13 +192,13 @@ def _fused_primal(body, y_aval, consumer, consts, carry, stack, io):
 
 def _fused_fwd(body, y_aval, consumer, consts, carry, stack, io):
   del consumer
-  x, ys, xs, _ = layers_lib._forward(body, consts, carry, stack, y_aval, save=True)
-  return (x, ys), (consts, xs, stack, io)
+  x, ys, xs, tok = layers_lib._forward(body, consts, carry, stack, y_aval, save=True)
+  return (x, ys), (consts, xs, stack, io, tok)
 
 
 def _fused_bwd(body, y_aval, consumer, res, cotangents):
   del y_aval
-  consts, xs, stack, io = res
+  consts, xs, stack, io, tok = res
   g, gys = cotangents
 
   def one(g, w, i, gconsts):
@@ -194,10 +209,13 @@ def _fused_bwd(body, y_aval, consumer, res, cotangents):
     return layers_lib._seal(gx), jax.tree.map(jnp.add, gconsts, gc), gw
 
   gconsts0 = jax.tree.map(jnp.zeros_like, consts)
-  gconsts, gcarry, out = _consume(one, consumer, stack, io, g, gconsts0)
+  gconsts, gcarry, out = _consume(one, consumer, stack, io, g, gconsts0, tok)
   new_stack = out.get("stack")
-  if new_stack is not None:
-    new_stack = jax.tree.structure(stack).unflatten(new_stack)
+  if new_stack is not None:  # a leaf on NVMe: its new weights went to the drive (no "cotangent")
+    leaves, treedef = layers_lib._flat(stack)
+    new_stack = treedef.unflatten(
+      [None if nvme_stack.is_leaf(a) else x for a, x in zip(leaves, new_stack)]
+    )
   io_cot = {key: (out.get(key) if key in DIFF_KEYS else None) for key in io}
   return gconsts, gcarry, new_stack, io_cot
 
@@ -206,13 +224,13 @@ _fused_vjp = jax.custom_vjp(_fused_primal, nondiff_argnums=(0, 1, 2))
 _fused_vjp.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _consume(one, consumer: Consumer, stack, io, g, gconsts):
+def _consume(one, consumer: Consumer, stack, io, g, gconsts, tok):
   if consumer.mode == "update":
-    return _consume_update(one, consumer, stack, io, g, gconsts)
-  return _consume_rows(one, consumer, stack, io, g, gconsts)
+    return _consume_update(one, consumer, stack, io, g, gconsts, tok)
+  return _consume_rows(one, consumer, stack, io, g, gconsts, tok)
 
 
-def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts):
+def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts, tok):
   """The backward loop (modes write and accumulate): layers from the last to the first, each gradient consumed.
 
   Returns (consts' gradients, carry's gradient, outputs): a dict with the new ``"stack"`` and
@@ -220,7 +238,7 @@ def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts):
   """
   n = layers_lib._num_layers(stack)
   mode = consumer.mode
-  leaves, treedef = jax.tree.flatten(stack)
+  leaves, treedef = layers_lib._flat(stack)
   micro, shared = io.get("n"), io.get("shared")
   grad_dtypes = consumer.grad_dtypes or tuple(x.dtype for x in leaves)
 
@@ -236,15 +254,15 @@ def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts):
     bufs["acc"] = io["acc"]
   reads_acc = mode == "accumulate" or (mode == "update" and consumer.accumulated)
 
-  def fetch(b, i):
+  def fetch(b, i, tok):
     """Layer i's inputs: weights, and by mode accumulator rows and state rows."""
-    w = tuple(_row(a, i) for a in b.get("stack", leaves))
+    w, tok = _weights(b.get("stack", leaves), i, tok, "backward")
     extra = {}
     if reads_acc:
       extra["acc"] = tuple(_row(a, i) for a in b.get("acc", io.get("acc")))
     if mode == "update":
       extra["parts"] = _part_rows(b["parts"], i, n)
-    return w, extra
+    return w, extra, tok
 
   def consume(w, gw, extra, sums):
     """One layer: its outputs by buffer, and the norm sums."""
@@ -286,14 +304,15 @@ def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts):
   top = n - 1
   b = bufs
   if n % 2:  # the odd last layer alone; its outputs go out before the loop
-    w_top, extra_top = fetch(b, top)
-    wb = fetch(b, max(top - 1, 0))
+    w_top, extra_top, tok = fetch(b, top, tok)
+    wb = fetch(b, max(top - 1, 0), tok)
     g, gconsts, gw = one(g, treedef.unflatten([a[0] for a in w_top]), top, gconsts)
     block, sums = consume(w_top, gw, extra_top, sums)
     b = write(b, top, block)
     top -= 1
   else:
-    wb = fetch(b, top)
+    wb = fetch(b, top, tok)
+  tok = wb[2]
   if n < 2:
     return gconsts, g, _finish(b, sums, consumer)
 
@@ -308,13 +327,10 @@ def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts):
     for key, v in b.items()
   }
 
-  def weights(i):
-    return tuple(_row(a, i) for a in leaves)
-
   def pair(c, k):
-    g, wb, gconsts, b, blk, sums = c  # wb: layer hi's weights
+    g, wb, gconsts, b, blk, sums, tok = c  # wb: layer hi's weights
     hi = top - 2 * k
-    wa = weights(hi - 1)  # in flight during layer hi's backward
+    wa, tok = _weights(leaves, hi - 1, tok, "backward")  # in flight during layer hi's backward
     # The pair's accumulator rows (hi-1, hi) arrive during layer hi's backward; the previous
     # pair's outputs leave during layer hi-1's. The barrier after layer hi orders this
     # iteration's reads of a buffer before its writes into it (else XLA copies the whole buffer
@@ -329,22 +345,22 @@ def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts):
     )
     b, rows, g = lax.optimization_barrier((b, rows, g))
     b = write(b, jnp.where(k == 0, top - 1, hi + 1), blk)
-    wb_next = weights(jnp.maximum(hi - 2, 0))  # in flight during layer hi-1's backward
+    wb_next, tok = _weights(leaves, jnp.maximum(hi - 2, 0), tok, "backward")  # layer hi-1's
     g, gconsts, g_lo = one(g, treedef.unflatten([a[0] for a in wa]), hi - 1, gconsts)
     out_lo, sums = consume(
       wa, g_lo, {key: tuple(r[:1] for r in v) for key, v in rows.items()}, sums
     )
     blk = jax.tree.map(lambda lo, hi_: jnp.concatenate([lo, hi_]), out_lo, out_hi)
-    return (g, wb_next, gconsts, b, blk, sums), None
+    return (g, wb_next, gconsts, b, blk, sums, tok), None
 
   wb = wb[0]
-  init = (g, wb, gconsts, b, blk0, sums)
-  (g, _, gconsts, b, blk, sums), _ = lax.scan(pair, init, jnp.arange(n // 2))
+  init = (g, wb, gconsts, b, blk0, sums, tok)
+  (g, _, gconsts, b, blk, sums, _), _ = lax.scan(pair, init, jnp.arange(n // 2))
   b = write(b, 0, blk)
   return gconsts, g, _finish(b, sums, consumer)
 
 
-def _consume_update(one, consumer: Consumer, stack, io, g, gconsts):
+def _consume_update(one, consumer: Consumer, stack, io, g, gconsts, tok):
   """The backward loop of ``"update"`` mode: each pair of layers is updated in the next iteration.
 
   Iteration k computes the backward of layers hi and hi-1 and updates the pair of the iteration
@@ -354,15 +370,15 @@ def _consume_update(one, consumer: Consumer, stack, io, g, gconsts):
   update yet), the last pair is updated after it, and an odd top layer is updated on its own.
   """
   n = layers_lib._num_layers(stack)
-  leaves, treedef = jax.tree.flatten(stack)
+  leaves, treedef = layers_lib._flat(stack)
   micro, shared = io.get("n"), io.get("shared")
   grad_dtypes = consumer.grad_dtypes or tuple(x.dtype for x in leaves)
   acc = io.get("acc") if consumer.accumulated else None
 
-  def fetch(b, i):
-    w = tuple(_row(a, i) for a in b[0])
+  def fetch(b, i, tok):
+    w, tok = _weights(b[0], i, tok)
     a = None if acc is None else tuple(_row(x, i) for x in acc)
-    return w, a
+    return (w, a), tok
 
   def grads_of(gw, a):
     gw = tuple(x[None] for x in treedef.flatten_up_to(gw))
@@ -386,13 +402,13 @@ def _consume_update(one, consumer: Consumer, stack, io, g, gconsts):
   b = (tuple(leaves), io["parts"])
   top = n - 1
   if n % 2:  # the odd top layer alone
-    w_top, a_top = fetch(b, top)
-    nxt = fetch(b, max(top - 1, 0))
+    (w_top, a_top), tok = fetch(b, top, tok)
+    nxt, tok = fetch(b, max(top - 1, 0), tok)
     g, gconsts, g_top = layer(g, gconsts, w_top, a_top, top)
     b = update(b, top, w_top, g_top, nxt)
     top -= 1
   else:
-    nxt = fetch(b, top)
+    nxt, tok = fetch(b, top, tok)
   if n < 2:
     return gconsts, g, {"stack": b[0], "parts": b[1]}
 
@@ -407,22 +423,22 @@ def _consume_update(one, consumer: Consumer, stack, io, g, gconsts):
 
   # Weights are fetched from the buffer before the iteration's update writes into it (rows above
   # the ones fetched), so the fetches do not wait for the update's writes.
-  wa = fetch(b, top - 1)
-  wb_next = fetch(b, jnp.maximum(top - 2, 0))
+  wa, tok = fetch(b, top - 1, tok)
+  wb_next, tok = fetch(b, jnp.maximum(top - 2, 0), tok)
   g, gconsts, w_blk, g_blk = backward_pair(g, gconsts, nxt, wa, top)
 
   def pair(c, k):
-    g, wb, gconsts, b, w_prev, g_prev = c
+    g, wb, gconsts, b, w_prev, g_prev, tok = c
     hi = top - 2 * k
-    wa = fetch(b, hi - 1)  # in flight during layer hi's backward
-    wb_next = fetch(b, jnp.maximum(hi - 2, 0))  # in flight during layer hi-1's backward
+    wa, tok = fetch(b, hi - 1, tok)  # in flight during layer hi's backward
+    wb_next, tok = fetch(b, jnp.maximum(hi - 2, 0), tok)  # during layer hi-1's backward
     b = update(b, hi + 1, w_prev, g_prev, (wa, wb_next))  # the previous pair: rows hi+1, hi+2
     g, gconsts, w_blk, g_blk = backward_pair(g, gconsts, wb, wa, hi)
-    return (g, wb_next, gconsts, b, w_blk, g_blk), None
+    return (g, wb_next, gconsts, b, w_blk, g_blk, tok), None
 
   wb = wb_next
-  init = (g, wb, gconsts, b, w_blk, g_blk)
-  (g, _, gconsts, b, w_blk, g_blk), _ = lax.scan(pair, init, jnp.arange(1, n // 2))
+  init = (g, wb, gconsts, b, w_blk, g_blk, tok)
+  (g, _, gconsts, b, w_blk, g_blk, _), _ = lax.scan(pair, init, jnp.arange(1, n // 2))
   b = update(b, 0, w_blk, g_blk)
   return gconsts, g, {"stack": b[0], "parts": b[1]}
 

@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from optax_offload._src import nvme
 
@@ -60,6 +61,8 @@ committed: a directory with it holds a complete stack."""
 STORE = "store"
 FETCH_SCOPE = "nvme_stack_fetch"
 """`jax.named_scope` of the per-layer read callback (in its HLO ``op_name``)."""
+PUT_SCOPE = "nvme_stack_put"
+"""`jax.named_scope` of the callback that writes a block of a trained stack's layers."""
 
 
 @jax.tree_util.register_pytree_node_class
@@ -301,10 +304,14 @@ def write_nvme_stack(
 
 
 def _leaves(key, treedef, full, dtypes, opened: _Opened) -> Any:
-  gen = jnp.asarray(opened.store.committed_generation, jnp.int32)
+  gen = opened.store.committed_generation
+  # An array of its own per leaf: a step that trains the stack donates each.
   return jax.tree.unflatten(
     treedef,
-    [NvmeStackLeaf(gen, key, p, s, d, opened.uid) for p, s, d in zip(opened.paths, full, dtypes)],
+    [
+      NvmeStackLeaf(jnp.asarray(gen, jnp.int32), key, p, s, d, opened.uid)
+      for p, s, d in zip(opened.paths, full, dtypes)
+    ],
   )
 
 
@@ -422,10 +429,12 @@ def read_nvme_stack(stack: Any) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-PASSES = ("forward", "train_forward", "backward")
+PASSES = ("forward", "train_forward", "backward", "update_backward")
 """Where a layer read sits, for its read-ahead: a forward pass with no backward after it
 (`forward`: up the layers, then the next forward), a forward pass a backward follows
-(`train_forward`), and the backward pass (down the layers, then the next step's forward)."""
+(`train_forward`), the backward pass (down the layers, then the next step's forward), and the
+backward pass of a step that trains the stack (`update_backward`: down the layers only, as the
+next forward reads the new generation, which `Writes.commit` reads ahead)."""
 
 
 def read_ahead(i: int, num_layers: int, where: str, depth: int) -> list[int]:
@@ -439,6 +448,8 @@ def read_ahead(i: int, num_layers: int, where: str, depth: int) -> list[int]:
     order = list(range(i + 1, num_layers)) + list(range(num_layers))
   elif where == "train_forward":
     order = list(range(i + 1, num_layers)) + list(range(num_layers - 1, -1, -1))
+  elif where == "update_backward":
+    order = list(range(i - 1, -1, -1))
   else:
     order = list(range(i - 1, -1, -1)) + list(range(num_layers))
   # A layer read twice in a row (where a pass turns) is read once: the second read finds it
@@ -493,8 +504,103 @@ def read_layer(
   return out, token
 
 
+class Writes:
+  """A stack trained by `value_and_update`: its new weights go to the next generation of each
+  directory's store, a block of layers at a time, by callbacks chained with a token.
+
+  ``begin`` makes the generation each directory's new weights go to (from the generation the
+  leaves read), ``put`` writes a block of layers of it (one store group per layer, every leaf
+  of the directory), and ``commit`` publishes it once every layer is put, then reads its first
+  layers ahead for the next step's forward pass; its result is the new generation of each
+  directory, for the leaves of the trained stack (`trained`). The token is that int32 vector
+  (one generation per directory), passed through every callback.
+
+  Raises (at construction):
+    ValueError: the leaves hold some but not all leaves of a stack directory (a layer is written
+      whole, every leaf of its store group), or the stack was written again or closed.
+  """
+
+  def __init__(self, leaves: Sequence[NvmeStackLeaf], where: str):
+    self.leaves = list(leaves)
+    self.dirs: dict[str, list[int]] = {}
+    for k, x in enumerate(self.leaves):
+      self.dirs.setdefault(x.directory, []).append(k)
+    self.order: dict[str, list[int]] = {}
+    for key, ks in self.dirs.items():
+      opened = _opened(key, self.leaves[ks[0]].uid)
+      paths = [self.leaves[k].path for k in ks]
+      if sorted(paths) != sorted(opened.paths) or len(set(paths)) != len(paths):
+        missing = sorted(set(opened.paths) - set(paths))
+        raise ValueError(
+          f"{where}: the layer stack on NVMe at {key} is trained only in part: its leaves "
+          f"{', '.join(missing)} are not in the stack given to oo.offloaded_scan with "
+          f"{', '.join(paths)}. A layer's leaves of one directory are written together: train "
+          "all of the directory's leaves in one stack, or write the frozen ones to a directory "
+          "of their own (oo.write_nvme_stack)."
+        )
+      self.order[key] = [ks[paths.index(p)] for p in opened.paths]  # the store's leaf order
+
+  def _callback(self, fn, *args):
+    return io_callback(fn, jax.ShapeDtypeStruct((len(self.dirs),), jnp.int32), *args)
+
+  def begin(self) -> jax.Array:
+    """The token: per directory, the generation the new weights go to."""
+    keys = list(self.dirs)
+
+    def begin(*generations):
+      return np.asarray(
+        [
+          _opened(key, self.leaves[self.dirs[key][0]].uid).store.new_generation(int(g))
+          for key, g in zip(keys, generations)
+        ],
+        np.int32,
+      )
+
+    return self._callback(begin, *(self.leaves[ks[0]].generation for ks in self.dirs.values()))
+
+  def put(self, token: jax.Array, start: jax.Array, rows: Sequence[jax.Array]) -> jax.Array:
+    """Writes layers ``start ...`` of each leaf (`rows`: a block per leaf, leading axis the
+    layers, in the leaves' order) into the token's generations; returns the token."""
+
+    def put(token, start, *blocks):
+      for d, (key, order) in enumerate(self.order.items()):
+        opened = _opened(key, self.leaves[order[0]].uid)
+        for r in range(blocks[0].shape[0]):
+          opened.store.put(int(start) + r, int(token[d]), [np.asarray(blocks[k][r]) for k in order])
+      return np.asarray(token)
+
+    with jax.named_scope(PUT_SCOPE):
+      return self._callback(put, token, start, *rows)
+
+  def commit(self, token: jax.Array, after: Any = None) -> jax.Array:
+    """Commits the token's generations (after `after`, e.g. the optimizer state's commit); returns
+    them."""
+    keys = list(self.dirs)
+
+    def commit(token, parents, after):
+      del after
+      for d, key in enumerate(keys):
+        opened = _opened(key, self.leaves[self.dirs[key][0]].uid)
+        child = int(token[d])
+        opened.store.commit(child, parent=int(parents[d]))
+        opened.store.prefetch([(j, child) for j in range(min(opened.num_layers, 4))])
+      return np.asarray(token)
+
+    parents = jnp.stack([self.leaves[ks[0]].generation for ks in self.dirs.values()])
+    after = jnp.zeros((), jnp.int32) if after is None else after
+    return self._callback(commit, token, parents, after)
+
+  def trained(self, token: jax.Array) -> list[NvmeStackLeaf]:
+    """The leaves at the generations `token` holds (`commit`'s result)."""
+    index = {key: d for d, key in enumerate(self.dirs)}
+    return [
+      NvmeStackLeaf(token[index[x.directory]], x.directory, x.path, x.shape, x.dtype, x.uid)
+      for x in self.leaves
+    ]
+
+
 def refuse_in_params(params: Any, where: str) -> None:
-  """A ValueError naming the `NvmeStackLeaf` leaves of `params` (frozen: not for an optimizer)."""
+  """A ValueError naming the `NvmeStackLeaf` leaves of `params`, where they cannot be trained."""
   found = [
     jax.tree_util.keystr(p)
     for p, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)[0]
@@ -503,7 +609,9 @@ def refuse_in_params(params: Any, where: str) -> None:
   if found:
     raise ValueError(
       f"{where}: {', '.join(found[:5])} {'is a' if len(found) == 1 else 'are'} layer stack "
-      "leaves on NVMe (oo.write_nvme_stack), which are frozen: oo.offloaded_scan reads them and "
-      "computes no gradient for them. Keep them out of the params the optimizer sees (pass the "
-      "stack to the loss as an argument of its own)."
+      "leaves on NVMe (oo.write_nvme_stack), which only oo.value_and_update trains (the loss "
+      "applies the stack with oo.offloaded_scan, and the backward pass writes each layer's new "
+      "weights to the drive); gradients of the whole stack never exist to update them here. "
+      "Train with oo.value_and_update, or, for a frozen stack, keep it out of the params the "
+      "optimizer sees (pass it to the loss as an argument of its own)."
     )

@@ -315,10 +315,9 @@ class _Offloaded:
       return OffloadState(
         inner.init(params), jnp.asarray(-1, jnp.int32), jnp.asarray(-1, jnp.int32)
       )
-    nvme_stack.refuse_in_params(params, "offload's init")
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=nvme_stack.is_leaf)
     paths = [layout_lib.leaf_path(p) for p, _ in flat]
-    values = [v for _, v in flat]
+    values = _read_stacks([v for _, v in flat], abstract_only)
     avals = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in values]
     shardings = [getattr(v, "sharding", None) for v in values]
     if self.master_dtype is not None:
@@ -400,6 +399,7 @@ class _Offloaded:
       )
     if self.host_memory is not None:
       self.host_memory.check_whole_gradients("tx.update (and oo.update_and_apply)")
+    nvme_stack.refuse_in_params(params, "tx.update (and oo.update_and_apply)")
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     paths = [layout_lib.leaf_path(p) for p, _ in flat]
     grads = [g for _, g in flat]
@@ -653,6 +653,29 @@ def _init_nvme(inner, setup: setup_lib.Setup, generation: int, build_params, con
     }
     tier.write_group(k, generation, jax.jit(group_init, out_shardings=out_shardings)(*concrete))
   tier.commit(generation)
+
+
+def _read_stacks(values: list[Any], abstract_only: bool) -> list[Any]:
+  """`values` with each layer stack leaf on NVMe (`nvme_stack.NvmeStackLeaf`, trained by
+  `value_and_update`) read into pinned host memory, as a stack kept there is: the state (a master
+  copy) is made from its weights. With `abstract_only`, its shape and dtype there."""
+  leaves = [v for v in values if nvme_stack.is_leaf(v)]
+  if not leaves:
+    return values
+  # Replicated on the params' mesh where they have one (the NVMe tier wants one mesh).
+  named = jax.sharding.NamedSharding
+  meshes = [s.mesh for v in values if isinstance(s := getattr(v, "sharding", None), named)]
+  host = (
+    named(meshes[0], jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+    if meshes
+    else jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  )
+  if abstract_only:
+    read = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host) for x in leaves]
+  else:
+    read = [jax.device_put(a, host) for a in nvme_stack.read_nvme_stack(leaves)]
+  it = iter(read)
+  return [next(it) if nvme_stack.is_leaf(v) else v for v in values]
 
 
 def _place_array(tier: plan_lib.Tier, j: int, x: jax.Array) -> jax.Array:

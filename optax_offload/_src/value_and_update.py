@@ -103,7 +103,7 @@ class _Discovery:
     ids = [self.index.get(id(x)) for x in jax.tree.leaves(stack)]
     if not ids or any(i is None for i in ids):
       return None
-    self.stacks.append((tuple(ids), jnp.shape(jax.tree.leaves(stack)[0])[0]))
+    self.stacks.append((tuple(ids), scan_lib._num_layers(stack)))
     return fused_scan.Consumer("write"), {}
 
 
@@ -236,13 +236,18 @@ class _Step:
     return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, n, keepdims=False), batch)
 
   def run(self, params, state, batch, kwargs):
-    nvme_stack.refuse_in_params(params, "value_and_update")
     off = self.s.offloaded
     off_state = self.s.unpack(state)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    # A layer stack on NVMe (`nvme_stack.NvmeStackLeaf`) is one leaf of the params here, as the
+    # optimizer sees it; the loss is differentiated with its generation (an int32 scalar, its only
+    # child) in its place (`diff_leaves`).
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=nvme_stack.is_leaf)
     paths = [layout_lib.leaf_path(p) for p, _ in flat]
     leaves = [v for _, v in flat]
-    avals = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in leaves]
+    avals = [jax.ShapeDtypeStruct(_shape(v), _dtype(v)) for v in leaves]
+    self.on_disk = {i for i, v in enumerate(leaves) if nvme_stack.is_leaf(v)}
+    self.loss_treedef = jax.tree.structure(params)
+    self.diff_leaves = [v.generation if i in self.on_disk else v for i, v in enumerate(leaves)]
     setup = off.setup_for_update(paths, avals)
     layout = off.layout_for(treedef)
     shared, per_leaf = offload_lib._split_checked(setup, layout, off_state.inner, paths)
@@ -255,10 +260,11 @@ class _Step:
           )
     self.treedef, self.paths, self.setup, self.layout = treedef, paths, setup, layout
     self.shared, self.per_leaf, self.leaves = shared, per_leaf, leaves
-    stacks = self.discover(leaves, batch, kwargs)
+    stacks = self.discover(batch, kwargs)
     self.stacks = stacks
     fused = {i for s, _ in stacks for i in s}
     self.fused = fused
+    self.writes = self.stack_writes(fused)
     # Without a clip the stacks' state rides through the backward pass (with one, the stacks are
     # updated after it, streamed as update_and_apply streams them).
     for i in sorted(fused) if self.s.clip is None else ():
@@ -307,7 +313,7 @@ class _Step:
       def f(lv, io_diff):
         ios_full = [dict(io, **d) for io, d in zip(ios, io_diff)]
         with fused_scan.fusing(_Claims(lv, stacks, consumers, ios_full)) as claims:
-          out = self.loss_fn(treedef.unflatten(lv), *b_n, **kwargs)
+          out = self.loss_fn(self.loss_treedef.unflatten(lv), *b_n, **kwargs)
         missing = set(range(len(stacks))) - claims.claimed
         if missing:
           raise ValueError(
@@ -317,7 +323,11 @@ class _Step:
         return out
 
       io_diff = [{key: io[key] for key in fused_scan.DIFF_KEYS if key in io} for io in ios]
-      value, (g, cot) = jax.value_and_grad(f, argnums=(0, 1), has_aux=self.has_aux)(lv, io_diff)
+      # A stack on NVMe enters as its int32 generation: its "gradient" is float0 (its new weights
+      # go to the drive in the backward pass, `nvme_stack.Writes`).
+      value, (g, cot) = jax.value_and_grad(
+        f, argnums=(0, 1), has_aux=self.has_aux, allow_int=bool(self.on_disk)
+      )(lv, io_diff)
       return value, g, cot
 
     n0 = jnp.asarray(0, jnp.int32)
@@ -328,7 +338,7 @@ class _Step:
       value0, g0, cot0 = differentiate(
         lambda s: fused_scan.Consumer("write", mean=True, grad_dtypes=self.grad_dtypes(s)),
         ios0,
-        leaves,
+        self.diff_leaves,
         self.micro(batch, 0),
       )
       acc_stack = [c["acc"] for c in cot0]
@@ -342,7 +352,7 @@ class _Step:
         value, g, cot = differentiate(
           lambda s: fused_scan.Consumer("accumulate", grad_dtypes=self.grad_dtypes(s)),
           ios,
-          leaves,
+          self.diff_leaves,
           self.micro(batch, n),
         )
         g = _rest_on_device(g, rest)
@@ -357,9 +367,17 @@ class _Step:
     n_last = jnp.asarray(last, jnp.int32)
     final_batch = self.micro(batch, last)
     token = self.begin(off_state)
+    written = {s: w.begin() for s, w in self.writes.items()}  # the stacks' weights on NVMe
     if not clip:
       ios = [
-        self.io(s, n_last, acc=None if acc_stack is None else acc_stack[s], parts=True, token=token)
+        self.io(
+          s,
+          n_last,
+          acc=None if acc_stack is None else acc_stack[s],
+          parts=True,
+          token=token,
+          written=written.get(s),
+        )
         for s in range(len(stacks))
       ]
       value, g, cot = differentiate(
@@ -370,14 +388,19 @@ class _Step:
           grad_dtypes=self.grad_dtypes(s),
         ),
         ios,
-        leaves,
+        self.diff_leaves,
         final_batch,
       )
       grads = self.final_rest_grads(g, acc_rest, rest, n_last)
       if self.nvme_stacks:
         # Every stack's last put before the leaves after it (and the commit).
-        tokens = [_from_carrier(cot[s]["parts"][-1], _TOKEN) for s in sorted(self.nvme_stacks)]
+        tokens = [
+          _from_carrier(cot[s]["parts"][len(stacks[s][0])], _TOKEN)
+          for s in sorted(self.nvme_stacks)
+        ]
         token, *_ = lax.optimization_barrier((tokens[0], *tokens[1:]))
+      for s in written:
+        written[s] = _from_carrier(cot[s]["parts"][-1], written[s])
       new_leaves, new_shared, new_per_leaf, token = self.update_rest(grads, rest, None, token)
       for s, (stack_leaves, _) in enumerate(stacks):
         new_parts = cot[s]["parts"]
@@ -403,7 +426,7 @@ class _Step:
           grad_dtypes=self.grad_dtypes(s),
         ),
         ios,
-        leaves,
+        self.diff_leaves,
         final_batch,
       )
       grads = self.final_rest_grads(g, acc_rest, rest, n_last)
@@ -424,21 +447,76 @@ class _Step:
     new_off = off_state._replace(inner=new_inner)
     if self.traced is not None:
       new_off = new_off._replace(nvme_generation=self.traced.commit(token))
+    for s, w in self.writes.items():
+      # The weights' generation is committed after the state's (a crash between the two leaves
+      # the weights a step behind the master copy, which `oo.master_params` reads).
+      after = new_off.nvme_generation if self.traced is not None else None
+      trained = w.trained(w.commit(written[s], after=after))
+      for i, leaf in zip(self.disk_leaves(s), trained):
+        new_leaves[i] = leaf
     return value, treedef.unflatten(new_leaves), self.s.pack(state, new_off)
 
   # -- discovery and validation ---------------------------------------------------------------
 
-  def discover(self, leaves, batch, kwargs):
+  def disk_leaves(self, s) -> list[int]:
+    """The leaves of stack s on NVMe, in the stack's order."""
+    return [i for i in self.stacks[s][0] if i in self.on_disk]
+
+  def stack_writes(self, fused) -> dict[int, nvme_stack.Writes]:
+    """Per stack with leaves on NVMe, the writes of its new weights (`nvme_stack.Writes`).
+
+    Raises:
+      ValueError: a leaf on NVMe is not in a stack that reaches `offloaded_scan`, or a
+        directory's leaves are trained in part.
+      NotImplementedError: with clipping, or params on several devices.
+    """
+    if not self.on_disk:
+      return {}
+    outside = sorted(self.on_disk - fused)
+    if outside:
+      raise ValueError(
+        f"value_and_update: {', '.join(self.paths[i] for i in outside)} "
+        f"{'is a layer stack leaf' if len(outside) == 1 else 'are layer stack leaves'} on NVMe "
+        "that the loss does not apply with oo.offloaded_scan (as part of a stack of params); a "
+        "stack on NVMe is trained only there, a layer at a time. Apply the stack with "
+        "oo.offloaded_scan(body, x, params[...]), or pass a frozen stack to the loss as an "
+        "argument of its own."
+      )
+    if self.s.clip is not None:
+      raise NotImplementedError(
+        "value_and_update: clip_by_global_norm with a layer stack trained on NVMe is not built "
+        "yet (the clip needs the whole gradient's norm before any update, and the stack is then "
+        "updated after the backward pass, which reads and writes weights in host memory only). "
+        "Train without the clip in the chain, or keep the stack in pinned host memory."
+      )
+    sharded = [
+      self.paths[i]
+      for i, sh in enumerate(self.setup.shardings)
+      if sh is not None and len(getattr(sh, "device_set", ())) > 1
+    ]
+    if sharded:
+      raise NotImplementedError(
+        "value_and_update: a layer stack trained on NVMe runs on one device for now; the params "
+        f"{', '.join(sharded[:3])} are placed on several. Train on one device, or keep the "
+        "stack in pinned host memory."
+      )
+    return {
+      s: nvme_stack.Writes([self.leaves[i] for i in self.disk_leaves(s)], "value_and_update")
+      for s in range(len(self.stacks))
+      if self.disk_leaves(s)
+    }
+
+  def discover(self, batch, kwargs):
     found = []
 
     def probe(lv):
       d = _Discovery(lv)
       with fused_scan.fusing(d):
-        out = self.loss_fn(self.treedef.unflatten(lv), *self.micro(batch, 0), **kwargs)
+        out = self.loss_fn(self.loss_treedef.unflatten(lv), *self.micro(batch, 0), **kwargs)
       found.extend(d.stacks)
       return out
 
-    jax.eval_shape(probe, leaves)
+    jax.eval_shape(probe, self.diff_leaves)
     for stack_leaves, n_layers in found:
       self.check_rules(stack_leaves)
       for i in stack_leaves:
@@ -448,7 +526,7 @@ class _Step:
   def avals(self) -> list[jax.ShapeDtypeStruct]:
     """The params' shapes and dtypes (as planned)."""
     return [
-      jax.ShapeDtypeStruct(jnp.shape(x), dtype) for x, dtype in zip(self.leaves, self.setup.dtypes)
+      jax.ShapeDtypeStruct(_shape(x), dtype) for x, dtype in zip(self.leaves, self.setup.dtypes)
     ]
 
   def check_rules(self, stack_leaves) -> None:
@@ -514,15 +592,15 @@ class _Step:
   # -- inputs of the fused backward ---------------------------------------------------------
 
   def grad_dtypes(self, s):
-    return tuple(jnp.result_type(self.leaves[i]) for i in self.stacks[s][0])
+    return tuple(_dtype(self.leaves[i]) for i in self.stacks[s][0])
 
   def empty_acc(self, s):
-    return tuple(scan_lib._empty(self.leaves[i], self.acc_dtype) for i in self.stacks[s][0])
+    return tuple(_empty(self.leaves[i], self.acc_dtype) for i in self.stacks[s][0])
 
   def empty_grads(self, s):
-    return tuple(scan_lib._empty(self.leaves[i]) for i in self.stacks[s][0])
+    return tuple(_empty(self.leaves[i]) for i in self.stacks[s][0])
 
-  def io(self, s, n, *, acc=None, parts=False, out=None, norm=False, token=None):
+  def io(self, s, n, *, acc=None, parts=False, out=None, norm=False, token=None, written=None):
     stack_leaves = self.stacks[s][0]
     io: dict[str, Any] = {"n": n, "shared": self.shared}
     if acc is not None:
@@ -535,6 +613,8 @@ class _Step:
         # The NVMe token rides with the state through the backward loop (as float32 bits: the
         # "cotangent" of an integer input would be float0), so the layer callbacks run in order.
         io["parts"] = (*io["parts"], _to_carrier(token))
+      if written is not None:  # the generations a stack's new weights on NVMe go to, last
+        io["parts"] = (*io["parts"], _to_carrier(written))
     if norm:
       io["norm"] = jnp.zeros((len(stack_leaves),), jnp.float32)
     return io
@@ -570,10 +650,15 @@ class _Step:
         specs[rows] = stream_spec.StreamSpec(plan.units, tiers, dims, chunks)
       return specs[rows]
 
+    writes = self.writes.get(s)
+    disk = [k for k, i in enumerate(stack_leaves) if i in self.on_disk]
+
     def update(stack, parts, start, w, g, shared):
       rows = jnp.shape(w[0])[0]
       spec = spec_for(rows)
       block = None
+      if writes is not None:
+        parts, written = parts[:-1], parts[-1]
       if on_nvme:
         # The streamed update fetches each group's NVMe rows by one callback a piece and puts
         # them back by one, as `update_and_apply` fetches and puts a group's NVMe arrays.
@@ -615,10 +700,16 @@ class _Step:
         setup_lib.map_arrays(new_view, leaf_tiers, functools.partial(back, part=part))
         for part, new_view, leaf_tiers in zip(parts, new_views, tiers)
       )
-      stack = tuple(fused_scan._put(buf, start, x) for buf, x in zip(stack, new_w))
+      stack = tuple(
+        buf if k in disk else fused_scan._put(buf, start, x)
+        for k, (buf, x) in enumerate(zip(stack, new_w))
+      )
       parts = tuple(_to_carrier(p) for p in parts)
       if on_nvme:
         parts = (*parts, _to_carrier(token))
+      if writes is not None:  # the block's new weights on NVMe: to the drive, one callback
+        tok = writes.put(_from_carrier(written, _WRITTEN), start, [new_w[k] for k in disk])
+        parts = (*parts, _to_carrier(tok))
       return stack, parts
 
     return update
@@ -648,7 +739,7 @@ class _Step:
         units.append(tuple(p for p, _ in keep))
         chunks.append(tuple(c for _, c in keep))
         plan_groups.append(k)
-    leaves = list(self.leaves)
+    leaves = list(self.diff_leaves)  # (a stack on NVMe, never among `members`: its generation)
     if not units:
       return leaves, self.shared_after_empty_update(), list(self.per_leaf), token
     sub = dataclasses.replace(spec, units=tuple(units), chunks=tuple(chunks))
@@ -771,6 +862,9 @@ class _BlockRows:
     return token
 
 
+_WRITTEN = jax.ShapeDtypeStruct((), jnp.int32)
+"""The dtype of `nvme_stack.Writes`' token (its shape: one generation per stack directory)."""
+
 _TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
 """The dtype of the NVMe tier's token (`nvme_tier.callbacks`; `_from_carrier` reads only dtypes):
 the token rides through the backward pass with the state, carried as float32 bits."""
@@ -811,6 +905,21 @@ def _from_carrier(tree, like):
   return jax.tree.map(
     lambda x, a: x if x.dtype == a.dtype else lax.bitcast_convert_type(x, a.dtype), tree, like
   )
+
+
+def _shape(x) -> tuple[int, ...]:
+  return x.shape if nvme_stack.is_leaf(x) else jnp.shape(x)
+
+
+def _dtype(x) -> Any:
+  return x.dtype if nvme_stack.is_leaf(x) else jnp.result_type(x)
+
+
+def _empty(like, dtype=None):
+  """`offloaded_scan._empty`; for a stack leaf on NVMe, in pinned host memory."""
+  if nvme_stack.is_leaf(like):
+    return jax.device_put(lax.empty(like.shape, like.dtype if dtype is None else dtype), _HOST)
+  return scan_lib._empty(like, dtype)
 
 
 def _rest_on_device(g, rest):

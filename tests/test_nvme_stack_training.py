@@ -1,0 +1,156 @@
+"""A layer stack trained on NVMe: `value_and_update` writes each block's new weights to the drive.
+
+The references are those of `test_value_and_update.py`: plain optax on the device, and the same
+fused step with the stack in pinned host memory.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_value_and_update import OPTIMIZERS
+from test_value_and_update import assert_bits_equal
+from test_value_and_update import decoder
+from test_value_and_update import fused
+from test_value_and_update import reference
+from test_value_and_update import tokens
+
+import optax_offload as oo
+from benchmarks.stream_layers import streamed_loss_fn
+from optax_offload._src import nvme_stack
+
+
+@pytest.fixture
+def stack_dir(tmp_path):
+  yield tmp_path / "stack"
+  for key in [k for k in nvme_stack._OPEN if k.startswith(str(tmp_path))]:
+    nvme_stack._OPEN.pop(key).store.close()
+
+
+def batch_of(step, k):
+  return tokens(step, 0, k) if k == 1 else jnp.stack([tokens(step, m, k) for m in range(k)])
+
+
+def train_on_nvme(directory, cfg, params, inner, *, master, k, steps, **options):
+  """The fused step with the stack written to `directory` first; returns (params with the stack
+  read back, the state, the params as the step returns them, the generation written)."""
+  tx = oo.offload(inner, master_dtype=master, min_size=256, **options)
+  params = dict(params, layers=oo.write_nvme_stack(directory, params["layers"]))
+  written = int(jax.tree.leaves(params["layers"])[0])
+  state = tx.init(params)
+  step = jax.jit(
+    oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx, accumulate=k),
+    donate_argnums=(0, 1),
+  )
+  for s in range(steps):
+    _, params, state = step(params, state, batch_of(s, k))
+  return dict(params, layers=oo.read_nvme_stack(params["layers"])), state, params, written
+
+
+@pytest.mark.parametrize(
+  "dtype, layers, k", [("bf16_master", 5, 1), ("fp32", 4, 3)], ids=["bf16-L5", "fp32-L4-k3"]
+)
+def test_a_stack_trained_on_nvme_equals_plain_optax(stack_dir, dtype, layers, k):
+  # sgd with momentum: bit-exact whatever the grouping (numerics rule); an odd layer count with
+  # master weights, an even one with accumulation over 3 micro-batches.
+  make, _ = OPTIMIZERS["sgd_momentum"]
+  cfg, params = decoder(layers, jnp.float32 if dtype == "fp32" else jnp.bfloat16)
+  master = None if dtype == "fp32" else jnp.float32
+  want = reference(
+    cfg, jax.tree.map(jnp.copy, params), make(), master=master, k=k, clip=None, steps=3
+  )
+  got, _, out, written = train_on_nvme(
+    stack_dir, cfg, jax.tree.map(jnp.copy, params), make(), master=master, k=k, steps=3
+  )
+  assert_bits_equal(got, want)
+  # One generation per step, committed; a process that opens the directory later reads it.
+  leaves = jax.tree.leaves(out["layers"], is_leaf=nvme_stack.is_leaf)
+  assert all(nvme_stack.is_leaf(x) for x in leaves), leaves
+  assert [int(x.generation) for x in leaves] == [written + 3] * len(leaves)
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params["layers"])
+  oo.close_nvme_stack(out["layers"])
+  reopened = oo.read_nvme_stack(oo.open_nvme_stack(stack_dir, like))
+  assert_bits_equal(reopened, want["layers"])
+  store = nvme_stack._OPEN[str(stack_dir)].store
+  assert store.committed_generation == written + 3 and len(store.generations_on_disk) <= 4
+
+
+def test_adam_with_its_state_on_nvme_too_equals_the_stack_in_host_memory(stack_dir, tmp_path):
+  # Full fine-tuning with nothing of the stack in host memory between steps: its bf16 weights on
+  # NVMe and its fp32 master copy and moments in the NVMe tier; two micro-batches a step. Adam's
+  # bias correction fuses per group (within RTOL of plain optax), so the reference is the same
+  # fused step with the stack in pinned host memory, bit for bit.
+  make, _ = OPTIMIZERS["adamw"]
+  cfg, params = decoder(5, jnp.bfloat16)
+  want, _ = fused(
+    cfg,
+    jax.tree.map(jnp.copy, params),
+    make(),
+    master=jnp.float32,
+    k=2,
+    clip=None,
+    steps=2,
+    on_host=True,
+  )
+  got, state, _, _ = train_on_nvme(
+    stack_dir,
+    cfg,
+    jax.tree.map(jnp.copy, params),
+    make(),
+    master=jnp.float32,
+    k=2,
+    steps=2,
+    nvme_dir=str(tmp_path / "state"),
+    host_limit=0,
+  )
+  assert_bits_equal(got, want)
+  bytes_per_tier = oo.footprint(state)
+  assert bytes_per_tier["host"] == 0 and bytes_per_tier["nvme"] > 0, bytes_per_tier
+  oo.close_nvme(state)
+
+
+def test_what_cannot_be_trained_on_nvme_is_refused_and_the_stack_kept(stack_dir):
+  layers = {"a": np.full((2, 4, 4), 0.5, np.float32), "b": np.full((2, 4, 4), 0.25, np.float32)}
+  on_nvme = oo.write_nvme_stack(stack_dir, layers)
+  params = {"layers": on_nvme, "out": jnp.ones(4)}
+  x = jnp.ones((3, 4))
+
+  def body(h, w):
+    return jnp.tanh(h @ w["a"] @ w["b"]), None
+
+  def loss(p, x):
+    return jnp.sum(oo.offloaded_scan(body, x, p["layers"])[0] @ p["out"])
+
+  def step(tx, loss=loss, params=params):
+    return jax.jit(oo.value_and_update(loss, tx))(params, tx.init(params), x)
+
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), oo.offload(optax.sgd(0.1)))
+  with pytest.raises(NotImplementedError, match="clip_by_global_norm with a layer stack trained"):
+    step(clipped)
+
+  # One directory's leaves in two stacks: a layer's leaves are written together.
+  def two_scans(p, x):
+    one = lambda h, w: (jnp.tanh(h @ w["a"]), None)  # noqa: E731
+    two = lambda h, w: (jnp.tanh(h @ w["b"]), None)  # noqa: E731
+    x = oo.offloaded_scan(one, x, {"a": p["layers"]["a"]})[0]
+    return jnp.sum(oo.offloaded_scan(two, x, {"b": p["layers"]["b"]})[0] @ p["out"])
+
+  with pytest.raises(ValueError, match="trained only in part"):
+    step(oo.offload(optax.sgd(0.1)), two_scans)
+
+  # A leaf on NVMe in the params that no stack of params brings to offloaded_scan.
+  def mixed(p, x):
+    frozen = oo.open_nvme_stack(stack_dir, layers)
+    stack = {"a": p["layers"]["a"], "b": frozen["b"]}
+    return jnp.sum(oo.offloaded_scan(body, x, stack)[0] @ p["out"])
+
+  with pytest.raises(ValueError, match=r"\['layers'\]\['b'\] are layer stack leaves on NVMe that"):
+    step(oo.offload(optax.sgd(0.1)), mixed)
+  tx = oo.offload(optax.sgd(0.1))
+  grads = {"layers": jax.tree.map(jnp.zeros_like, layers), "out": jnp.ones(4)}
+  with pytest.raises(ValueError, match="only oo.value_and_update trains"):
+    oo.update_and_apply(tx, grads, tx.init(params), params)
+  # Nothing was written: the stack reads as it was, at the generation it was written in.
+  assert_bits_equal(oo.read_nvme_stack(on_nvme), layers)
+  assert nvme_stack._OPEN[str(stack_dir)].store.committed_generation == int(on_nvme["a"].generation)
