@@ -207,3 +207,28 @@ def test_the_gpu_program_holds_nothing_of_the_stack_in_host_memory(tmp_path):
   assert len(puts) == 2 and not schedule.host_compute  # in the loop and after it: 3 blocks
   # Device temporaries: measured 890,528 bytes.
   assert memory.temp <= 1_000_000, memory
+
+
+def test_a_host_budget_plans_the_stack_on_nvme_where_it_is(stack_dir, tmp_path):
+  # offload(host_memory=...) plans from where the params are: a stack on NVMe holds no pinned
+  # host memory between steps, so the plan counts its weights on the drive, not in the budget.
+  from optax_offload._src import offload as offload_lib
+
+  cfg, params = decoder(4, jnp.bfloat16)
+  stack_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
+  params = dict(params, layers=oo.write_nvme_stack(stack_dir, params["layers"]))
+  tx = oo.offload(
+    optax.adamw(1e-3),
+    master_dtype=jnp.float32,
+    min_size=256,
+    host_memory="1GiB",
+    nvme_dir=str(tmp_path / "state"),
+  )
+  state = tx.init(params)
+  planned = offload_lib._OFFLOADED[tx.update].host_memory.planned
+  assert planned.weights_on == "nvme" and planned.host_weight_bytes == 0
+  assert planned.nvme_weight_bytes == stack_bytes
+  step = jax.jit(oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx))
+  loss, params, state = step(params, state, tokens(0, 0, 1))
+  assert np.isfinite(float(loss))
+  oo.close_nvme(state)

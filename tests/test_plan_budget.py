@@ -119,7 +119,7 @@ def test_13b_on_a_24gb_card_with_48gib_of_host_fits(tmp_path, two_tb, capsys):
   # offload(host_memory=) plans at init from the shapes, which a count only approximates.
   assert f"or: oo.offload(..., host_memory={48 * GiB}, nvme_dir=DIR) (offload plans at init " in out
   assert "which this count approximates" in out
-  assert "weights on NVMe are not implemented" in out  # the reason the weights are in RAM
+  assert "kept in host memory first (on NVMe when they do not fit" in out  # why they are in RAM
 
 
 def test_the_consumer_story_from_help_alone(tmp_path, two_tb, capsys):
@@ -186,13 +186,51 @@ def test_whole_gradients_that_fit_only_without_the_buffers_go_into_the_backward_
   assert "beside its weights and the offloaded state" in e.update_in_backward_reason
 
 
-def test_weights_that_do_not_fit_the_host_budget_never_fit(two_tb, capsys):
-  argv = [*GOAL[:13], "20GiB", "--nvme-size", "2TB"]
+def test_weights_that_do_not_fit_the_host_budget_go_to_nvme(two_tb, capsys):
+  # 20 GiB holds the NVMe buffers, not the 26e9 B of weights beside them: the weights go to NVMe
+  # (oo.write_nvme_stack, trained by value_and_update), read twice a step and written once.
+  d = _json([*GOAL[:13], "20GiB", "--nvme-size", "2TB"], capsys)
+  assert d["fits"] and d["weights_on"] == "nvme" and d["host_weight_bytes"] == 0
+  assert d["nvme_weight_bytes"] == 26_000_000_000 and d["host_total_bytes"] <= 20 * GiB
+  assert d["bytes_per_tier"]["nvme"] == d["nvme_bytes"] + 26_000_000_000
+  assert d["nvme_disk_bytes"] == 4 * d["bytes_per_tier"]["nvme"]
+  bw = oo.Bandwidths()
+  assert d["step_times"]["nvme_read"] == (d["nvme_bytes"] + 2 * 26e9) / bw.nvme_read
+  assert d["step_times"]["nvme_write"] == (d["nvme_bytes"] + 26e9) / bw.nvme_write
+  weights = [
+    p
+    for p in oo.estimate(
+      "13B",
+      param_dtype="bf16",
+      master_dtype="fp32",
+      weights_on="host",
+      layers=40,
+      device_memory="24GiB",
+      memory_fraction=0.75,
+      host_memory="20GiB",
+      nvme_size="2TB",
+    ).placements
+    if p.what.startswith("layer stack's weights")
+  ]
+  assert [(p.tier, p.nbytes) for p in weights] == [("nvme", 26_000_000_000)]
+  assert weights[0].reason.startswith("the stack's weights (24.21 GiB) do not fit in --host-memory")
+  # Asked for: the same plan, as asked.
+  d_asked = _json([*GOAL[:13], "20GiB", "--nvme-size", "2TB", "--weights-on", "nvme"], capsys)
+  assert d_asked["weights_on_reason"] == "as asked (--weights-on nvme)"
+  assert d_asked["bytes_per_tier"] == d["bytes_per_tier"]
+  with pytest.raises(ValueError, match='weights_on="nvme" needs the update in the backward pass'):
+    oo.estimate("13B", weights_on="nvme", layers=40, update_in_backward=False)
+
+
+def test_weights_that_do_not_fit_beside_the_buffers_never_fit(two_tb, capsys):
+  # 16 GiB holds not even the NVMe buffers that the weights on NVMe would leave: they stay in
+  # host memory and the plan does not fit.
+  argv = [*GOAL[:13], "16GiB", "--nvme-size", "2TB"]
   assert cli.main(argv) == 1
   out = capsys.readouterr().out
   assert "fits: NO" in out and "fits: yes" not in out
   assert "or: oo.offload(..., host_memory=" not in out  # offload would refuse it
-  assert "weights, gradients and accumulators on NVMe are not implemented" in out
+  assert "gradients and accumulators on NVMe are not implemented; the stack's weights go to" in out
   # All the state on NVMe: 26e9 B of weights + buffers 3 * 3.9e9 + 2 * 966_367_641 + 16_777_216
   # = 39.65e9 B.
   assert fused_buffers(STATE) == 13_649_512_498
@@ -242,11 +280,17 @@ def test_accumulators_count_against_the_host_budget(capsys):
 
 def test_bf16_accumulators_take_half_the_bytes(capsys):
   # bf16 accumulators, 2 B x 13e9 = 26e9 B: beside the weights (26e9 B) they still exceed 48 GiB
-  # (51.54e9 B) with the NVMe buffers, and the shortfall names them.
+  # (51.54e9 B) with the NVMe buffers, and the shortfall names them. (The weights stay: on NVMe
+  # the drive would read them 16 times a step.)
   bf16 = ["--accumulate", "8", "--accumulator-dtype", "bf16"]
   d = _json([*GOAL, "--nvme-size", "2TB", *bf16], capsys, status=1)
   assert d["accumulator_bytes"] == 26_000_000_000 and d["accumulator_dtype"] == "bf16"
   assert "gradient accumulators" in d["shortfalls"][0]["advice"]
+  assert d["weights_on"] == "host"
+  # Asked for, the weights go to NVMe, read twice a micro-batch.
+  d = _json([*GOAL, "--nvme-size", "2TB", *bf16, "--weights-on", "nvme"], capsys)
+  assert d["weights_on"] == "nvme" and d["host_total_bytes"] <= 48 * GiB
+  assert d["step_times"]["nvme_read"] == (d["nvme_bytes"] + 16 * 26e9) / oo.Bandwidths().nvme_read
   # 72 GiB holds them: weights + accumulators + state + buffers fill it; on the device 3 layers of
   # bf16 accumulator rows (325e6 params a layer) beside 7 + 4 layers and the window.
   d = _json([*GOAL[:13], "72GiB", "--nvme-size", "2TB", *bf16], capsys)

@@ -93,9 +93,10 @@ def _parser() -> argparse.ArgumentParser:
   opt(
     "--weights-on",
     default="device",
-    choices=("device", "host"),
+    choices=("device", "host", "nvme"),
     help="host: the layer stack's weights and grads in pinned host memory too (offloaded_scan); "
-    "needs --layers",
+    "nvme: its weights on NVMe (oo.write_nvme_stack, trained by oo.value_and_update); host moves "
+    "them there itself when they do not fit in --host-memory beside an NVMe tier; needs --layers",
   )
   opt("--layers", type=int, metavar="N", help="layers in the streamed stack (--weights-on host)")
   opt(

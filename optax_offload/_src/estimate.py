@@ -18,6 +18,7 @@ result type and the two estimates (from a count, from shapes) behind one functio
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any
@@ -92,7 +93,9 @@ class Estimate:
     moment_dtype: dtype the optimizer's moments are kept in (`with_moment_dtype`), or None.
     update_on: ``"device"`` or ``"host"``.
     weights_on: ``"device"``, or ``"host"`` when the layer stack's weights and gradients live in
-      pinned host memory too (`offloaded_scan`, and `update_and_apply` streaming them).
+      pinned host memory too (`offloaded_scan`, and `update_and_apply` streaming them), or
+      ``"nvme"`` when its weights live on NVMe (`write_nvme_stack`, trained by `value_and_update`
+      in the backward pass: no whole gradients).
     device_memory: device memory given, or None (not checked).
     host_limit: pinned-host budget given, or None (no limit).
     nvme: whether an NVMe tier is available.
@@ -111,6 +114,8 @@ class Estimate:
     master_bytes: bytes of the master copy (part of the offloaded state).
     host_bytes: offloaded state in pinned host memory.
     nvme_bytes: offloaded state on NVMe (one generation).
+    nvme_weight_bytes: with ``weights_on="nvme"``, the stack's weights on NVMe (one generation).
+    weights_on_reason: with ``weights_on="nvme"``, why the planner put them there.
     nvme_buffer_bytes: host RAM the NVMe tier's buffers take at most (groups read ahead, written
       behind and in use, and the write staging: `plan.nvme_buffer_bytes`).
     nvme_group_bytes: bytes of the largest NVMe store group (what one read or write moves).
@@ -174,6 +179,8 @@ class Estimate:
   accumulator_dtype: str | None = None
   stack_device_bytes: int = 0
   stack_device_grad_bytes: int = 0
+  nvme_weight_bytes: int = 0
+  weights_on_reason: str | None = None
   leaves: tuple[plan_lib.LeafInfo, ...] | None = dataclasses.field(default=None, repr=False)
   plan: plan_lib.Plan | None = dataclasses.field(default=None, repr=False)
 
@@ -224,15 +231,20 @@ class Estimate:
 
   @property
   def nvme_disk_bytes(self) -> int:
-    """Disk space the NVMe tier needs: `NVME_DISK_FACTOR` generations."""
-    return NVME_DISK_FACTOR * self.nvme_bytes
+    """Disk space the NVMe tier (and a stack's weights on NVMe) need: `NVME_DISK_FACTOR`
+    generations."""
+    return NVME_DISK_FACTOR * (self.nvme_bytes + self.nvme_weight_bytes)
 
   @property
   def bytes_per_tier(self) -> dict[str, int]:
     """``{"device": ..., "host": ..., "nvme": ...}``: device peak, host memory in all
     (`host_total_bytes`: pinned arrays and the NVMe tier's staging buffers), NVMe (one
-    generation)."""
-    return {"device": self.device_bytes, "host": self.host_total_bytes, "nvme": self.nvme_bytes}
+    generation of the state and of a stack's weights there)."""
+    return {
+      "device": self.device_bytes,
+      "host": self.host_total_bytes,
+      "nvme": self.nvme_bytes + self.nvme_weight_bytes,
+    }
 
   @property
   def shortfalls(self) -> tuple[Shortfall, ...]:
@@ -263,7 +275,7 @@ class Estimate:
           self.nvme_disk_bytes,
           self.nvme_capacity,
           f"the NVMe tier keeps up to {NVME_DISK_FACTOR} generations of "
-          f"{format_bytes(self.nvme_bytes)}: free disk space, point --nvme-dir at a larger disk "
+          f"{format_bytes(self.nvme_bytes + self.nvme_weight_bytes)}: free disk space, point --nvme-dir at a larger disk "
           "(or pass a larger --nvme-size), or raise --host-memory.",
         )
       )
@@ -296,15 +308,18 @@ class Estimate:
 
   @property
   def step_times(self) -> dict[str, float]:
-    """Seconds per step that each resource needs at its bandwidth, forward and backward excluded."""
+    """Seconds per step that each resource needs at its bandwidth, forward and backward excluded
+    (a stack's weights on NVMe are read in each forward and backward pass: twice a micro-batch,
+    and written once a step)."""
     bw = self.bandwidths
     host_s = 0.0
     if self.update_on == "host":
       host_s = (2 * self.offloaded_bytes + self.link_bytes) / bw.host_memory
+    weights = self.nvme_weight_bytes
     return {
       "link": self.link_bytes / bw.link,
-      "nvme_read": self.nvme_bytes / bw.nvme_read,
-      "nvme_write": self.nvme_bytes / bw.nvme_write,
+      "nvme_read": (self.nvme_bytes + 2 * self.accumulate * weights) / bw.nvme_read,
+      "nvme_write": (self.nvme_bytes + weights) / bw.nvme_write,
       "host_update": host_s,
     }
 
@@ -468,7 +483,11 @@ def estimate(
       too (`offloaded_scan` forward and backward; `update_and_apply` streams them through the
       window with the state). For a bare count every parameter is taken to be in the stack of
       `layers` layers; in a tree, the leaves whose sharding has ``memory_kind="pinned_host"`` are
-      the stack (their leading axis is the layer axis), as `offload` decides.
+      the stack (their leading axis is the layer axis), as `offload` decides. Given as ``"host"``,
+      weights that do not fit in `host_memory` go to NVMe where that fits (with an NVMe tier and
+      the update in the backward pass); left ``"device"`` with a tree, they stay where the tree
+      places them. ``"nvme"``: the stack's weights on NVMe (`write_nvme_stack`, trained by
+      `value_and_update` in the backward pass, read twice a micro-batch and written once a step).
     layers: the number of layers in the stack, for a bare count with ``weights_on="host"``.
     stack_on_device: for a bare count with ``weights_on="host"``, bytes of the stack's weights kept
       on the device (whole leaves in the model, e.g. ``"3.91GiB"`` for two attention projections
@@ -482,8 +501,8 @@ def estimate(
     host_memory: the host memory the run may use in all (bytes or ``"48GiB"``): the stack's
       weights, its gradients or accumulators, the offloaded state and the NVMe tier's staging
       buffers. What each step touches most stays in it (weights first, the state last); the state
-      beyond it goes to NVMe. Weights that do not fit make the plan not fit (weights on NVMe are
-      not implemented). None: not checked.
+      beyond it goes to NVMe, and with ``weights_on="host"`` the stack's weights too where they do
+      not fit (gradients and accumulators on NVMe are not implemented). None: not checked.
     update_in_backward: with ``weights_on="host"``, whether the stack's update runs inside the
       backward pass (`value_and_update`: no whole gradients, the window beside the streamed
       layers); None decides: yes when the stack's weights and gradients exceed `host_memory`,
@@ -548,12 +567,17 @@ def estimate(
     [("layer stack's weights (bf16)", 'host'), ("layer stack's gradients", 'none')]
   """
   window = check_options(update_on, min_size, window_bytes)
-  if weights_on not in ("device", "host"):
-    raise ValueError(f'weights_on must be "device" or "host", got {weights_on!r}.')
-  if weights_on == "host" and update_on == "host":
+  if weights_on not in ("device", "host", "nvme"):
+    raise ValueError(f'weights_on must be "device", "host" or "nvme", got {weights_on!r}.')
+  if weights_on != "device" and update_on == "host":
     raise ValueError(
-      'weights_on="host" needs update_on="device": the update streams the weights through the '
-      "window with the state."
+      f'weights_on="{weights_on}" needs update_on="device": the update streams the weights '
+      "through the window with the state."
+    )
+  if weights_on == "nvme" and update_in_backward is False:
+    raise ValueError(
+      'weights_on="nvme" needs the update in the backward pass (value_and_update trains a stack '
+      "on NVMe there); drop update_in_backward=False (--update-in-backward no)."
     )
   if update_in_backward not in (None, True, False):
     raise ValueError(
@@ -599,11 +623,11 @@ def estimate(
       )
     n, dtype = parse_count(params), parse_dtype(param_dtype)
     stack, on_device, kept_on_device = [], frozenset(), (0, 0)
-    if weights_on == "host":
+    if weights_on != "device":
       if not (isinstance(layers, int) and 1 <= layers <= n):
         raise ValueError(
-          'weights_on="host" with a parameter count needs the number of layers in the streamed '
-          f"stack (layers=, --layers), got {layers!r}."
+          f'weights_on="{weights_on}" with a parameter count needs the number of layers in the '
+          f"streamed stack (layers=, --layers), got {layers!r}."
         )
       kept = parse_bytes(stack_on_device or 0, "stack_on_device") // dtype.itemsize
       if not 0 <= kept < n:
@@ -616,7 +640,7 @@ def estimate(
       stack = [host_budget.StackLeaf(weights, layers, n - kept, weights)]
       kept_on_device = (kept * dtype.itemsize, kept)
     elif stack_on_device:
-      raise ValueError('stack_on_device needs weights_on="host" (--weights-on host).')
+      raise ValueError('stack_on_device needs weights_on="host" (--weights-on host or nvme).')
 
     def base(c):
       return _estimate_count(n, dtype, master, moments, opt, c, nvme_options)
@@ -638,9 +662,9 @@ def estimate(
     on_device = _stack_leaves_on_device(tree)
     kept_leaves = [x for i, x in enumerate(jax.tree.leaves(tree)) if i in on_device]
     kept_on_device = (sum(map(_nbytes, kept_leaves)), sum(math.prod(x.shape) for x in kept_leaves))
-    if weights_on == "host" and not stack:
+    if weights_on != "device" and not stack:
       raise ValueError(
-        'weights_on="host" with shapes: give the layer stack\'s leaves a sharding with '
+        f'weights_on="{weights_on}" with shapes: give the layer stack\'s leaves a sharding with '
         'memory_kind="pinned_host" (as the params offloaded_scan streams have), e.g. '
         'jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(), memory_kind="pinned_host")).'
       )
@@ -652,7 +676,7 @@ def estimate(
     acc_dtype = parse_accumulator_dtype(accumulator_dtype)
     accumulators = host_budget.accumulator_bytes(stack, fused, accumulate, acc_dtype.itemsize)
 
-    def build(state_limit):
+    def build(state_limit, weights_to_nvme=None):
       e = base(dict(common, host_limit=state_limit))
       if stack:
         e = host_budget.with_weights_on_host(
@@ -666,12 +690,28 @@ def estimate(
           kept_on_device,
           nvme_options,
         )
+      if weights_to_nvme is not None:
+        e = host_budget.with_weights_on_nvme(e, stack, weights_to_nvme)
       return e
 
+    on_nvme = "as asked (--weights-on nvme)" if weights_on == "nvme" else None
     if host_memory is None:
-      e = build(host_limit)
+      e = build(host_limit, on_nvme)
+    elif on_nvme:
+      build_nvme = functools.partial(build, weights_to_nvme=on_nvme)
+      e = host_budget.fit_host_memory(build_nvme, host_memory, host_limit, [], fused, accumulators)
     else:
       e = host_budget.fit_host_memory(build, host_memory, host_limit, stack, fused, accumulators)
+      # Weights said to be in host memory (not params placed there: their placement is given)
+      # go to NVMe where they do not fit.
+      moved = host_budget.weights_to_nvme(e, stack, fused, common["nvme"], host_memory)
+      if moved is not None and weights_on == "host":
+        build_nvme = functools.partial(build, weights_to_nvme=moved)
+        e_nvme = host_budget.fit_host_memory(
+          build_nvme, host_memory, host_limit, [], fused, accumulators
+        )
+        if e_nvme.host_total_bytes <= host_memory:
+          e = e_nvme
     return dataclasses.replace(
       e,
       host_limit=host_limit,
@@ -685,6 +725,8 @@ def estimate(
       accumulator_dtype=dtype_name(acc_dtype) if accumulators else None,
     )
 
+  if weights_on == "nvme":
+    return finished(True, "a stack on NVMe is trained in the backward pass (value_and_update)")
   return host_budget.plan_update_in_backward(
     finished, update_in_backward, stack, update_on, host_memory, accumulate
   )

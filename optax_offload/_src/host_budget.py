@@ -22,6 +22,7 @@ from typing import Any
 from typing import NamedTuple
 
 from optax_offload._src import measure
+from optax_offload._src import nvme_stack
 from optax_offload._src import offloaded_scan as scan_lib
 from optax_offload._src import plan as plan_lib
 from optax_offload._src.plan import FUSED_GRAD_LAYERS_ON_DEVICE
@@ -150,7 +151,9 @@ def host_memory_advice(e: Estimate) -> str:
     if e.nvme_buffer_bytes:
       parts.append(f"NVMe staging buffers {fmt(e.nvme_buffer_bytes)}")
     why = (
-      " (weights, gradients and accumulators on NVMe are not implemented)"
+      " (gradients and accumulators on NVMe are not implemented; the stack's weights go to "
+      "NVMe with --weights-on nvme and --nvme-dir, oo.write_nvme_stack, read twice a "
+      "micro-batch, where the NVMe buffers and accumulators fit in --host-memory without them)"
       if stack or e.accumulator_bytes
       else ""
     )
@@ -179,15 +182,26 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
   out = []
   add = lambda *a: out.append(Placement(*a))  # noqa: E731
   state = "optimizer state" + (" and master copy" if e.master_bytes else "")
-  if e.weights_on == "host":
+  if e.weights_on == "nvme":
+    add(
+      f"layer stack's weights ({e.param_dtype})",
+      "nvme",
+      e.nvme_weight_bytes,
+      f"{e.weights_on_reason}: oo.write_nvme_stack writes them, the forward and backward passes "
+      "read a layer at a time, and oo.value_and_update writes each block's new weights in the "
+      "backward pass (without clip_by_global_norm; one device)",
+    )
+  elif e.weights_on == "host":
     weights = e.host_weight_bytes if e.update_in_backward else e.host_weight_bytes // 2
     add(
       f"layer stack's weights ({e.param_dtype})",
       "host",
       weights,
       "touched most: read in the forward and backward passes and rewritten by every update; "
-      "kept in host memory first (weights on NVMe are not implemented)",
+      "kept in host memory first (on NVMe when they do not fit, with an NVMe tier and the update "
+      "in the backward pass)",
     )
+  if e.weights_on != "device":
     if e.update_in_backward:
       add(
         "layer stack's gradients",
@@ -246,7 +260,7 @@ def placements(e: Estimate) -> tuple[Placement, ...]:
       + "; their state streamed with the stack's",
     )
   if e.param_bytes + e.grad_bytes - kept or e.weights_on == "device":
-    where = " outside the stack" if e.weights_on == "host" else ""
+    where = " outside the stack" if e.weights_on != "device" else ""
     add(
       f"params and grads{where}",
       "device",
@@ -438,6 +452,48 @@ def with_weights_on_host(
     accumulator_bytes=accumulators,
     stack_device_bytes=kept[0],
     stack_device_grad_bytes=kept_grads,
+  )
+
+
+def weights_to_nvme(
+  e: Estimate, stack: list[StackLeaf], fused: bool, nvme: bool, host_memory: int
+) -> str | None:
+  """Why the stack's weights go to NVMe (`with_weights_on_nvme`), or None where they stay: they go
+  when `e` (weights in host memory) exceeds `host_memory`, the step updates the stack in the
+  backward pass (`value_and_update`, which trains a stack on NVMe), there is an NVMe tier, and a
+  step takes one micro-batch. With k micro-batches the drive would read the weights 2k times a
+  step (13B, 40 micro-batches: 1.9 TiB a step, about 12 minutes at 3 GB/s): fewer micro-batches,
+  or leaves of the stack kept on the card, are the better plan, so the plan says that instead
+  (``weights_on="nvme"`` still asks for it)."""
+  if not (stack and fused and nvme and e.weights_on == "host" and e.accumulate == 1):
+    return None
+  if e.host_total_bytes <= host_memory:
+    return None
+  return (
+    f"the stack's weights ({format_bytes(e.host_weight_bytes)}) do not fit in --host-memory "
+    f"{format_bytes(host_memory)} beside "
+    + ("their accumulators and " if e.accumulator_bytes else "")
+    + "the NVMe buffers; on NVMe they are read in each forward and backward pass (the disk's "
+    "time below)"
+  )
+
+
+def with_weights_on_nvme(e: Estimate, stack: list[StackLeaf], why: str) -> Estimate:
+  """`e` (`with_weights_on_host`'s, the update in the backward pass) with the stack's weights on
+  NVMe: a layer stack `write_nvme_stack` wrote, read a layer at a time in each forward and backward
+  pass and written a block of layers at a time by `value_and_update`'s update. Host memory holds
+  the stack store's buffers instead: the layers read ahead (`nvme_stack.DEFAULT_OPTIONS`), written
+  behind, the one read last, and a block's put (two layers)."""
+  weights = sum(leaf.held for leaf in stack)
+  layer = sum(-(-leaf.held // leaf.layers) for leaf in stack)
+  buffers = plan_lib.nvme_buffer_bytes(layer, nvme_stack.DEFAULT_OPTIONS) + 3 * layer
+  return dataclasses.replace(
+    e,
+    weights_on="nvme",
+    weights_on_reason=why,
+    host_weight_bytes=0,
+    nvme_weight_bytes=weights,
+    nvme_buffer_bytes=e.nvme_buffer_bytes + buffers,
   )
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from optax_offload._src import measure
 from optax_offload._src import memory
+from optax_offload._src import nvme_stack
 from optax_offload._src import units
 from optax_offload._src.nvme_tier import shards
 
@@ -69,7 +70,12 @@ class HostMemory:
     proc_dir = None if nvme_dir is None else nvme_tier.process_directory(nvme_dir)
 
     leaves = jax.tree.leaves(abstract)
-    on_host = [x for x in leaves if estimate._in_pinned_host(x)]
+    # A layer stack on NVMe (`write_nvme_stack`'s leaves in `params`) is planned there: its
+    # weights hold no pinned host memory between steps.
+    disk = [nvme_stack.is_leaf(x) for x in jax.tree.leaves(params, is_leaf=nvme_stack.is_leaf)]
+    if any(disk):
+      plan_options["weights_on"] = "nvme"
+    on_host = [x for x, d in zip(leaves, disk) if estimate._in_pinned_host(x) and not d]
     held = sum(memory.held_bytes(x) for x in on_host)
     if any(map(_replicated_here, on_host)):
       raise NotImplementedError(

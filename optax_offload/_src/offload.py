@@ -317,7 +317,8 @@ class _Offloaded:
       )
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=nvme_stack.is_leaf)
     paths = [layout_lib.leaf_path(p) for p, _ in flat]
-    values = _read_stacks([v for _, v in flat], abstract_only)
+    given = [v for _, v in flat]
+    values = _read_stacks(given, abstract_only=True)  # (read after the plan: its RAM is transient)
     avals = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in values]
     shardings = [getattr(v, "sharding", None) for v in values]
     if self.master_dtype is not None:
@@ -325,6 +326,8 @@ class _Offloaded:
     traced = any(isinstance(v, jax.core.Tracer) for v in values)
     setup = self.setup_for_init(treedef, paths, avals, shardings, params, traced)
     layout = self.layout_for(treedef)
+    if not abstract_only:
+      values = _read_stacks(given, abstract_only=False)
 
     def leaves_of(concrete):
       it = iter(concrete)

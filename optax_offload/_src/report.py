@@ -43,7 +43,18 @@ def _summary(e: Estimate) -> list[str]:
     f"{e.state_dtype} state{master}, update on {e.update_on}",
     "",
   ]
-  if e.weights_on == "host":
+  if e.weights_on == "nvme":
+    lines.insert(
+      1,
+      "weights of the layer stack on NVMe (oo.write_nvme_stack; offloaded_scan reads a layer at a "
+      f"time): {e.weights_on_reason}",
+    )
+    lines.insert(
+      2,
+      "update in the backward pass (oo.value_and_update), the stack's gradients never whole, its "
+      "new weights written to the drive a block of layers at a time",
+    )
+  elif e.weights_on == "host":
     if e.update_in_backward:
       lines.insert(1, "weights of the layer stack in pinned host memory (offloaded_scan)")
       lines.insert(
@@ -65,6 +76,8 @@ def _summary(e: Estimate) -> list[str]:
       on_device = f"{e.host_weight_bytes / e.params:g} B param + grad in host memory"
       if e.update_in_backward:
         on_device = f"{e.host_weight_bytes / e.params:g} B param in host memory, no whole grads"
+    elif e.weights_on == "nvme":
+      on_device = f"{e.nvme_weight_bytes / e.params:g} B param on NVMe, no whole grads"
     lines.append(
       f"per parameter: {on_device}; {e.offloaded_bytes / e.params:g} B offloaded: {' + '.join(parts)}"
     )
@@ -76,7 +89,7 @@ def _tiers(e: Estimate) -> list[str]:
   fmt = format_bytes
   lines = [f"{'tier':<8}{'bytes':>12}  holds"]
   device_parts = [f"params {fmt(e.param_bytes)}", f"grads {fmt(e.grad_bytes)}"]
-  if e.weights_on == "host" and e.update_in_backward:
+  if e.weights_on != "device" and e.update_in_backward:
     device_parts = [
       f"stack layers {fmt(e.stack_layer_bytes)} ({plan_lib.FUSED_WEIGHT_LAYERS_ON_DEVICE} of weights, "
       f"{plan_lib.FUSED_GRAD_LAYERS_ON_DEVICE} of grads"
@@ -92,7 +105,7 @@ def _tiers(e: Estimate) -> list[str]:
       f"max(stack layers {fmt(e.stack_layer_bytes)} ({scan_lib.WEIGHT_LAYERS_ON_DEVICE} of "
       f"weights, {scan_lib.GRAD_LAYERS_ON_DEVICE} of grads), window {fmt(e.window_peak)})",
     ]
-  if e.weights_on == "host" and e.param_bytes:
+  if e.weights_on != "device" and e.param_bytes:
     device_parts.insert(
       0,
       f"params {fmt(e.param_bytes)} and grads {fmt(e.grad_bytes)} outside the stack"
@@ -103,7 +116,7 @@ def _tiers(e: Estimate) -> list[str]:
         else ""
       ),
     )
-  if e.window_peak and e.weights_on != "host":
+  if e.window_peak and e.weights_on == "device":
     if e.update_on == "host":
       device_parts.append(f"updates returned at once, beyond the grads {fmt(e.window_peak)}")
     else:
@@ -124,6 +137,10 @@ def _tiers(e: Estimate) -> list[str]:
     host_note = (
       f"{stack} {fmt(e.host_weight_bytes)}{acc} + offloaded state {fmt(e.host_bytes)} {limit}"
     )
+  elif e.accumulator_bytes:
+    host_note = (
+      f"grad accumulators {fmt(e.accumulator_bytes)} + offloaded state {fmt(e.host_bytes)} {limit}"
+    )
   if e.nvme_buffer_bytes:
     host_note += f" + {fmt(e.nvme_buffer_bytes)} of NVMe staging buffers"
   if e.nvme:
@@ -131,12 +148,18 @@ def _tiers(e: Estimate) -> list[str]:
       f"offloaded state beyond the host budget; disk needed {fmt(e.nvme_disk_bytes)} "
       f"({plan_lib.NVME_DISK_FACTOR} generations)"
     )
+    if e.nvme_weight_bytes:
+      nvme_note = (
+        f"stack weights {fmt(e.nvme_weight_bytes)} + offloaded state {fmt(e.nvme_bytes)} beyond "
+        f"the host budget; disk needed {fmt(e.nvme_disk_bytes)} "
+        f"(up to {plan_lib.NVME_DISK_FACTOR} generations of each)"
+      )
   else:
     nvme_note = "no NVMe tier (--nvme-dir / --nvme-size)"
   for tier, nbytes, note in (
     ("device", e.device_bytes, " + ".join(device_parts)),
     ("host", e.host_total_bytes, host_note),
-    ("nvme", e.nvme_bytes, nvme_note),
+    ("nvme", e.bytes_per_tier["nvme"], nvme_note),
   ):
     lines.append(f"{tier:<8}{fmt(nbytes):>12}  {note}")
   master_note = f", incl. the master copy ({fmt(e.master_bytes)})" if e.master_bytes else ""
@@ -147,7 +170,7 @@ def _tiers(e: Estimate) -> list[str]:
       f"leaves: {counts['device']} on device (< min_size), {counts['host']} host, "
       f"{counts['nvme']} nvme; {len(e.plan.groups)} groups"
     )
-  if e.weights_on == "host" and e.plan is None:
+  if e.weights_on != "device" and e.plan is None:
     lines.append(
       f"window: offload needs window_bytes of at least {plan_lib.WINDOW_SLOTS} x one layer of the "
       "stack's largest leaf (its weights, gradients and state); a bare count cannot see the "
@@ -177,6 +200,12 @@ def _tiers(e: Estimate) -> list[str]:
       lines.append(
         f"  or: oo.offload(..., host_memory={e.host_memory}, nvme_dir=DIR{accumulate}) ({how})"
       )
+  if e.nvme_weight_bytes:
+    lines.append(
+      "the stack's weights on NVMe: write them once with oo.write_nvme_stack(directory, layers) "
+      "(a function of the layer for a stack larger than RAM), put the leaves it returns in the "
+      'params, and train with oo.value_and_update (docs/layers.md, "Training a stack on NVMe")'
+    )
   return lines
 
 
@@ -264,7 +293,7 @@ def _step_time(e: Estimate) -> list[str]:
   ]
   if e.update_on == "device":
     link_what = "each offloaded byte to the device and back"
-    if e.weights_on == "host" and e.update_in_backward:
+    if e.weights_on != "device" and e.update_in_backward:
       link_what += (
         f"; stack weights {2 * e.accumulate + 1}x (forward and backward per micro-batch, new "
         "weights back), no grads"
@@ -278,12 +307,20 @@ def _step_time(e: Estimate) -> list[str]:
   lines.append(
     f"  link       {fmt(e.link_bytes):>12} / {_gbps(bw.link)} = {t['link']:.3f} s  ({link_what})"
   )
-  if e.nvme_bytes:
-    lines.append(
-      f"  nvme read  {fmt(e.nvme_bytes):>12} / {_gbps(bw.nvme_read)} = {t['nvme_read']:.3f} s"
+  if e.nvme_bytes or e.nvme_weight_bytes:
+    weights = e.nvme_weight_bytes
+    read, written = e.nvme_bytes + 2 * e.accumulate * weights, e.nvme_bytes + weights
+    what = (
+      f"  (state once; stack weights {2 * e.accumulate}x: forward and backward per micro-batch)"
+      if weights
+      else ""
     )
     lines.append(
-      f"  nvme write {fmt(e.nvme_bytes):>12} / {_gbps(bw.nvme_write)} = {t['nvme_write']:.3f} s"
+      f"  nvme read  {fmt(read):>12} / {_gbps(bw.nvme_read)} = {t['nvme_read']:.3f} s{what}"
+    )
+    lines.append(
+      f"  nvme write {fmt(written):>12} / {_gbps(bw.nvme_write)} = {t['nvme_write']:.3f} s"
+      + ("  (state and stack weights once)" if weights else "")
     )
   if e.update_on == "host":
     touched = 2 * e.offloaded_bytes + e.link_bytes
