@@ -7,6 +7,12 @@ ratio of their step times, the bytes the store read per step and their rate, bes
 own read rate measured on the same directory (`oo.measure_bandwidths`: a file written, dropped
 from the page cache, read back).
 
+``train``: the same MLP stack trained whole (`oo.value_and_update`, AdamW with an fp32 master
+copy in pinned host memory): the stack's bf16 weights on NVMe (each block's new weights written to
+the store's next generation in the backward pass), against the same stack in pinned host memory
+in the same process. Reports the ratio of their step times and the store's bytes read and written
+per step, beside the disk's own read and write rates.
+
 ``gpu``: compiles the LoRA step of a Llama-shaped decoder (`--model`, the base's weights in bf16
 on NVMe, rank-16 adapters on wq and wv on the device, batch `--batch` x `--seq`) for `--target`
 without a GPU, and prints the device bytes XLA assigns, the read callbacks, and the step time that
@@ -15,6 +21,7 @@ PCIe 4.0 drive of `hardware(target, "desktop")`) against the same program's comp
 modelled time, not a measurement.
 
     python benchmarks/nvme_stack.py cpu --dir /nvme/bench
+    python benchmarks/nvme_stack.py train --dir /nvme/bench
     python benchmarks/nvme_stack.py gpu --model 70B --target rtx4090_24gb --batch 4
 """
 
@@ -116,6 +123,98 @@ def cpu(args) -> dict:
     f"read {oo.format_bytes(per_step)} a step ({per_step / n / layer_bytes:.2f} stacks), "
     f"{per_step / nvme_s / 1e9:.2f} GB/s over the step; this disk reads "
     f"{disk.nvme_read / 1e9:.2f} GB/s (oo.measure_bandwidths); store: {out['store_stats']}"
+  )
+  return out
+
+
+def train(args) -> dict:
+  """``train``: see the module docstring."""
+  import optax
+
+  d, f = args.d, 4 * args.d
+  layer_bytes = 2 * d * f * 2
+  n = max(2, int(oo.parse_bytes(args.stack_bytes, "--stack-bytes")) // layer_bytes)
+  rng = np.random.default_rng(0)
+  directory = args.dir or tempfile.mkdtemp(prefix="nvme_stack_bench_")
+  os.makedirs(directory, exist_ok=True)
+  stack_dir = tempfile.mkdtemp(dir=directory)
+
+  def layer(i):
+    return {
+      "w_in": (rng.standard_normal((d, f), np.float32) * 0.02).astype(jnp.bfloat16),
+      "w_out": (rng.standard_normal((f, d), np.float32) * 0.02).astype(jnp.bfloat16),
+    }
+
+  def body(x, w):
+    return x + jax.nn.gelu(x @ w["w_in"]) @ w["w_out"], None
+
+  def loss(p, x):
+    y, _ = oo.offloaded_scan(body, x, p["layers"])
+    return jnp.mean(y.astype(jnp.float32) ** 2)
+
+  stack = oo.write_nvme_stack(stack_dir, layer, num_layers=n)
+  x = jnp.asarray(rng.standard_normal((args.tokens, d)), jnp.bfloat16)
+  runs = {
+    "host": {"layers": oo.to_pinned_host(jax.tree.map(jnp.asarray, oo.read_nvme_stack(stack)))},
+    "nvme": {"layers": stack},
+  }
+  steps, states = {}, {}
+  for name, params in runs.items():
+    tx = oo.offload(optax.adamw(1e-4), master_dtype=jnp.float32)
+    states[name] = tx.init(params)
+    steps[name] = jax.jit(oo.value_and_update(loss, tx), donate_argnums=(0, 1))
+  opened = nvme_stack._OPEN[nvme_stack._key(stack_dir)]
+  # Rounds of `--steps` steps of each, back to back (the NVMe store writes a step's generation
+  # behind the next step, as in training), the NVMe round closed by a sync of the store: the
+  # median round's time per step.
+  times: dict[str, list[float]] = {"host": [], "nvme": []}
+  moved = []
+  for _ in range(args.repeats + 1):  # the first round compiles
+    for name in ("host", "nvme"):
+      before = dict(opened.store.stats)
+      t = time.perf_counter()
+      for _ in range(args.steps):
+        _, runs[name], states[name] = steps[name](runs[name], states[name], x)
+      jax.block_until_ready((runs[name], states[name]))
+      if name == "nvme":
+        opened.store.sync()  # the round's generations written and committed
+      times[name].append((time.perf_counter() - t) / args.steps)
+      if name == "nvme":
+        after = opened.store.stats
+        moved.append(
+          (
+            (after["bytes_read"] - before["bytes_read"]) / args.steps,
+            (after["bytes_written"] - before["bytes_written"]) / args.steps,
+          )
+        )
+  oo.close_nvme_stack(runs["nvme"]["layers"])
+  disk = oo.measure_bandwidths(directory, nbytes=min(n * layer_bytes, 1 << 30))
+  host_s = statistics.median(times["host"][1:])
+  nvme_s = statistics.median(times["nvme"][1:])
+  read = statistics.median(r for r, _ in moved[1:])
+  written = statistics.median(w for _, w in moved[1:])
+  disk_s = read / disk.nvme_read + written / disk.nvme_write
+  out = {
+    "layers": n,
+    "layer_bytes": layer_bytes,
+    "stack_bytes": n * layer_bytes,
+    "step_s_host": host_s,
+    "step_s_nvme": nvme_s,
+    "ratio_nvme_to_host": nvme_s / host_s,
+    "bytes_read_per_step": read,
+    "bytes_written_per_step": written,
+    "disk_read_rate": disk.nvme_read,
+    "disk_write_rate": disk.nvme_write,
+    "disk_s_at_measured_rates": disk_s,
+  }
+  print(
+    f"{n} layers of {oo.format_bytes(layer_bytes)} ({oo.format_bytes(n * layer_bytes)}), "
+    f"{args.tokens} tokens x d {d}, AdamW with an fp32 master copy in host memory: training "
+    f"step with the stack's weights in pinned host memory {host_s:.3f} s, on NVMe {nvme_s:.3f} s "
+    f"(x{nvme_s / host_s:.2f}); the store read {oo.format_bytes(read)} and wrote "
+    f"{oo.format_bytes(written)} a step; this disk reads {disk.nvme_read / 1e9:.2f} GB/s and "
+    f"writes {disk.nvme_write / 1e9:.2f} GB/s (oo.measure_bandwidths): {disk_s:.3f} s for those "
+    "bytes alone"
   )
   return out
 
@@ -234,15 +333,22 @@ def main(argv=None) -> dict:
   c.add_argument("--d", type=int, default=1024)
   c.add_argument("--tokens", type=int, default=512)
   c.add_argument("--repeats", type=int, default=3)
+  t = sub.add_parser("train", allow_abbrev=False)
+  t.add_argument("--dir", help="a directory on the disk to measure (default: a temporary one)")
+  t.add_argument("--stack-bytes", default="256MiB")
+  t.add_argument("--d", type=int, default=1024)
+  t.add_argument("--tokens", type=int, default=512)
+  t.add_argument("--repeats", type=int, default=3, help="rounds")
+  t.add_argument("--steps", type=int, default=3, help="steps a round")
   g = sub.add_parser("gpu", allow_abbrev=False)
   g.add_argument("--model", default="13B", choices=sorted(llama.CONFIGS))
   g.add_argument("--target", default="rtx4090_24gb")
   g.add_argument("--batch", type=int, default=1)
   g.add_argument("--seq", type=int, default=2048)
-  for p in (c, g):
+  for p in (c, t, g):
     p.add_argument("--json", help="also write the figures to this file")
   args = parser.parse_args(argv)
-  out = cpu(args) if args.what == "cpu" else gpu(args)
+  out = {"cpu": cpu, "train": train, "gpu": gpu}[args.what](args)
   if args.json:
     write_json(out, args.json)
   return out

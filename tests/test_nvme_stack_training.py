@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_value_and_update import ON_DEVICE
 from test_value_and_update import OPTIMIZERS
 from test_value_and_update import assert_bits_equal
 from test_value_and_update import decoder
@@ -36,7 +37,10 @@ def train_on_nvme(directory, cfg, params, inner, *, master, k, steps, **options)
   """The fused step with the stack written to `directory` first; returns (params with the stack
   read back, the state, the params as the step returns them, the generation written)."""
   tx = oo.offload(inner, master_dtype=master, min_size=256, **options)
-  params = dict(params, layers=oo.write_nvme_stack(directory, params["layers"]))
+  stack = oo.write_nvme_stack(directory, params["layers"])
+  # Placed as the other params are, as the step's outputs are (with several devices the leaves'
+  # generations are not committed).
+  params = dict(params, layers=jax.device_put(stack, ON_DEVICE))
   written = int(jax.tree.leaves(params["layers"])[0])
   state = tx.init(params)
   step = jax.jit(
@@ -45,6 +49,7 @@ def train_on_nvme(directory, cfg, params, inner, *, master, k, steps, **options)
   )
   for s in range(steps):
     _, params, state = step(params, state, batch_of(s, k))
+  assert step._cache_size() == 1
   return dict(params, layers=oo.read_nvme_stack(params["layers"])), state, params, written
 
 

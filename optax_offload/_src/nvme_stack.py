@@ -9,17 +9,20 @@ drive by one callback per layer, read ahead in the order the pass needs them (th
 the layers, the backward pass down them, then the next step's forward), so the store reads the next
 layer while this one computes. The host holds a few layers' buffers, never the stack.
 
-The weights on NVMe are frozen: `offloaded_scan` computes no gradient for them (the backward pass
-differentiates only the stack's other leaves, the carry and what the body closes over), as for
-adapters (LoRA) trained on a base too large for RAM. Pass the stack as an argument of its own,
-not inside the params that `jax.grad` or an optimizer sees. Training the stack's weights on NVMe
-(new weights written into the store's next generation by the update) is not built yet.
+Passed to the loss as an argument of its own, the weights on NVMe are frozen: `offloaded_scan`
+computes no gradient for them (the backward pass differentiates only the stack's other leaves, the
+carry and what the body closes over), as for adapters (LoRA) trained on a base too large for RAM.
+Inside the params that `value_and_update` trains, they are trained: its backward pass reads each
+layer again, updates it, and writes each block's new weights into the store's next generation
+(`Writes`), committed after the optimizer state's; the params come back with leaves at the new
+generation. `tx.update` and `update_and_apply` refuse them (the stack's whole gradients never
+exist).
 
 The read is a `jax.pure_callback` (a committed generation of a frozen stack reads the same bytes
 every time, so `jax.checkpoint` may run it again), chained by a token in program order. On a mesh
 of several devices it runs once and its layer is replicated to every device (data parallelism;
 the weights are not sharded). One process: a stack's directory is locked by the process that
-opened it. `offload` and `value_and_update` refuse such leaves in the params they train.
+opened it.
 
 Examples:
   >>> import tempfile, jax, jax.numpy as jnp, numpy as np, optax_offload as oo
@@ -304,12 +307,17 @@ def write_nvme_stack(
 
 
 def _leaves(key, treedef, full, dtypes, opened: _Opened) -> Any:
-  gen = opened.store.committed_generation
-  # An array of its own per leaf: a step that trains the stack donates each.
+  gen = np.asarray(opened.store.committed_generation, np.int32)
+  # An array of its own per leaf (a step that trains the stack donates each). On a machine of one
+  # device it is committed there, as a step's outputs are, so that a step that trains the stack
+  # finds its first program on its second call; with several devices it is left uncommitted, so
+  # that a jitted function over a mesh takes it.
+  devices = jax.devices()
+  put = (lambda x: jax.device_put(x, devices[0])) if len(devices) == 1 else jnp.asarray
   return jax.tree.unflatten(
     treedef,
     [
-      NvmeStackLeaf(jnp.asarray(gen, jnp.int32), key, p, s, d, opened.uid)
+      NvmeStackLeaf(put(gen), key, p, s, d, opened.uid)
       for p, s, d in zip(opened.paths, full, dtypes)
     ],
   )
