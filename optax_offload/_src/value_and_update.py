@@ -151,8 +151,10 @@ def value_and_update(
   layer, as each layer's gradient is computed. Its gradients never exist whole; its optimizer
   state arrives one layer ahead while the backward computes. The stack may live in pinned host
   memory (weights offloaded too), on the device, or partly each (a card with room keeps some of
-  its leaves: they are used in place, and their state still streams with the stack's). Use it
-  under `jax.jit` with the params and state donated.
+  its leaves: they are used in place, and their state still streams with the stack's), or on NVMe
+  (`write_nvme_stack`'s leaves: each block's new weights are written to the drive, and the params
+  come back at the store's new generation). Use it under `jax.jit` with the params and state
+  donated.
 
   Args:
     loss_fn: ``loss_fn(params, *batch, **kwargs) -> loss`` (or ``(loss, aux)`` with `has_aux`).
@@ -177,7 +179,7 @@ def value_and_update(
     TypeError: for a transformation it does not recognise.
     ValueError: when a stack's optimizer state cannot be updated layer by layer.
     NotImplementedError: with ``update_on="host"``; with a stack's state in the NVMe tier and
-      params on a mesh of several devices; with a stack's state holding integers of 8 bytes or
+      params on a mesh of several devices; with a stack on NVMe and a clip or several devices; with a stack's state holding integers of 8 bytes or
       booleans (8-bit moments, ``moment_dtype="int8"``, are carried: `_carrier`).
 
   Examples:
