@@ -82,6 +82,7 @@ from benchmarks.stream_layers import streamed_loss_fn  # noqa: E402
 from optax_offload._src import cli  # noqa: E402
 from optax_offload._src import gpu_program  # noqa: E402
 from optax_offload._src import hlo_cost  # noqa: E402
+from optax_offload._src import nvme_stack  # noqa: E402
 from optax_offload._src import units  # noqa: E402
 from optax_offload._src.nvme_tier import callbacks as nvme_callbacks  # noqa: E402
 from optax_offload._src.nvme_tier import layers as nvme_layers  # noqa: E402
@@ -226,13 +227,24 @@ def compile_variant(
   acc_dtype=jnp.float32,
   device_leaves: tuple[str, ...] = (),
   slop_factor: int | None = None,
+  stack_on_nvme: bool = False,
 ):
   """The training step of `variant` for k micro-batches of `micro_batch` sequences, compiled
   (`tx`: the offloaded optimizer, default `offloaded_adamw`; `acc_dtype`: a fused step's
   accumulators; `device_leaves`: stack leaves kept on the device, `_params`; `slop_factor`:
-  XLA's ``xla_gpu_memory_limit_slop_factor``, `SLOP_FACTOR_HELP`)."""
+  XLA's ``xla_gpu_memory_limit_slop_factor``, `SLOP_FACTOR_HELP`; `stack_on_nvme`: the stack's
+  leaves in host memory on NVMe instead, `oo.NvmeStackLeaf` stand-ins: nothing is read while
+  compiling)."""
   tokens = jax.ShapeDtypeStruct((k, micro_batch, SEQ + 1), jnp.int32, sharding=llama.DEVICE)
   params = _params(cfg, variant, device_leaves)
+  if stack_on_nvme:
+    gen = jax.ShapeDtypeStruct((), jnp.int32, sharding=llama.DEVICE)
+    params["layers"] = {
+      name: nvme_stack.NvmeStackLeaf(gen, "/compile-only", f"['{name}']", x.shape, x.dtype)
+      if name not in device_leaves
+      else x
+      for name, x in params["layers"].items()
+    }
   options = oo.STREAM_XLA_OPTIONS if variant != "plain_bf16" else None
   if slop_factor is not None:
     options = {**(options or {}), "xla_gpu_memory_limit_slop_factor": slop_factor}
@@ -304,11 +316,14 @@ def _per_layer_device_bytes(cfg, variant: str, micro_batch: int, k: int) -> int:
 NVME_SCOPES = {
   nvme_layers.FETCH_SCOPE: "read",
   nvme_callbacks.FETCH_SCOPE: "read",
+  nvme_stack.FETCH_SCOPE: "read",
   nvme_layers.PUT_SCOPE: "write",
   nvme_callbacks.PUT_SCOPE: "write",
+  nvme_stack.PUT_SCOPE: "write",
 }
-"""The `jax.named_scope`s of the NVMe tier's callbacks (nvme_tier/layers.py, callbacks.py): a
-fetch's results are the NVMe arrays it read, a put's operands those it writes."""
+"""The `jax.named_scope`s of the NVMe callbacks (the tier's, nvme_tier/layers.py, callbacks.py,
+and a layer stack's on NVMe, nvme_stack.py): a fetch's results are the NVMe arrays it read, a
+put's operands those it writes."""
 
 
 def nvme_tx(
@@ -345,6 +360,7 @@ def compile_nvme(cfg, target: str, args, window: int, options, k: int):
     acc_dtype=units.parse_accumulator_dtype(args.accumulator_dtype),
     device_leaves=args.device_leaves,
     slop_factor=args.xla_slop_factor,
+    stack_on_nvme=getattr(args, "weights_on", "host") == "nvme",
   )
   return e, c
 
@@ -369,6 +385,7 @@ def nvme_plan(
     accumulate=accumulate,
     accumulator_dtype=accumulator_dtype,
     nvme_options=cli.nvme_options_of(args),
+    weights_on=getattr(args, "weights_on", "device"),
   )
 
 
@@ -432,12 +449,17 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
   t = oo.timeline(
     c.hlo, hw, disk=disk, read_ahead_bytes=read_ahead, write_behind_bytes=write_behind
   )
-  # The callbacks' shapes account for every NVMe byte of the plan, read once and written once.
-  for moved in (t.disk_read_bytes, t.disk_write_bytes):
-    if abs(moved - e.nvme_bytes) > 1e-6 * e.nvme_bytes:
-      raise AssertionError(
-        f"the callbacks move {moved:.0f} bytes, the plan has {e.nvme_bytes} on NVMe"
-      )
+  # The callbacks' shapes account for every NVMe byte of the plan: the state read once and
+  # written once; a stack's weights on NVMe written once and read a layer per read callback (the
+  # layer read again where a pass turns is counted too, though the store serves it from memory).
+  layer = e.nvme_weight_bytes // cfg.layers
+  stack_reads = runs.get(nvme_stack.FETCH_SCOPE, 0) * layer
+  for moved, want in (
+    (t.disk_read_bytes, e.nvme_bytes + stack_reads),
+    (t.disk_write_bytes, e.nvme_bytes + e.nvme_weight_bytes),
+  ):
+    if abs(moved - want) > 1e-6 * want:
+      raise AssertionError(f"the callbacks move {moved:.0f} bytes, the plan {want} on NVMe")
   # Host bytes: the plan's (stack weights, state, the tier's buffers for these depths).
   host = e.host_total_bytes
   schedule = gpu_program.parse_schedule(c.hlo)
@@ -464,6 +486,8 @@ def _nvme_rows(name: str, target: str, args, k: int) -> list[dict]:
     "host_memory": args.host_memory,
     "host_limit": e.host_bytes,
     "nvme_bytes": e.nvme_bytes,
+    "weights_on": e.weights_on,
+    "nvme_weight_bytes": e.nvme_weight_bytes,
     "step_s": t.step_s,
     "compute_s": t.compute_s,
     "disk_s": t.disk_s,
@@ -504,7 +528,9 @@ def _print_nvme_row(row) -> None:
     f" compute {row['compute_s']:8.2f}s disk {row['disk_s']:7.2f}s"
     f" (waited {row['disk_wait_s']:.2f}s) {row['model_tflops']:6.1f} TFLOPS"
     f" {row['tokens_per_s']:8.0f} tok/s device {row['device_bytes'] / GiB:6.1f} GiB host"
-    f" {row['host_bytes'] / GiB:6.2f} GiB nvme {row['nvme_bytes'] / GiB:6.2f} GiB"
+    f" {row['host_bytes'] / GiB:6.2f} GiB nvme"
+    f" {(row['nvme_bytes'] + row.get('nvme_weight_bytes', 0)) / GiB:6.2f} GiB"
+    f" (weights on {row.get('weights_on', 'host')})"
     f" fits {row['fits']!s:5s} [{row['bottleneck']}] compile {row['compile_s']:.0f}s",
     flush=True,
   )
@@ -684,6 +710,12 @@ def main(argv=None) -> list[dict]:
     "--moment-dtype", default="fp32", choices=("fp32", "bf16", "int8"), help="fused_nvme's moments"
   )
   parser.add_argument("--nvme-dir", default=None, help="fused_nvme: NVMe tier directory (temp)")
+  parser.add_argument(
+    "--weights-on",
+    default="host",
+    choices=("host", "nvme"),
+    help="fused_nvme: the stack's bf16 weights in pinned host memory, or on NVMe (trained there)",
+  )
   parser.add_argument("--prefetch-depth", type=int, default=1, help="fused_nvme: NvmeOptions")
   parser.add_argument("--write-depth", type=int, default=1, help="fused_nvme: NvmeOptions")
   parser.add_argument(

@@ -237,3 +237,30 @@ def test_a_host_budget_plans_the_stack_on_nvme_where_it_is(stack_dir, tmp_path):
   loss, params, state = step(params, state, tokens(0, 0, 1))
   assert np.isfinite(float(loss))
   oo.close_nvme(state)
+
+
+def test_the_modelled_step_of_a_1b_stack_trained_on_nvme(tmp_path):
+  # benchmarks/gpu_speed.py's fused_nvme row with --weights-on nvme: the 1B decoder (22 layers of
+  # bf16 weights on NVMe, AdamW's state placed by the plan for 12 GiB of host memory) compiled for
+  # the RTX 4090 and modelled with the disk. Its own check holds: the callbacks' shapes account for
+  # the plan's NVMe bytes (the state once each way; the weights written once, read a layer per read).
+  from helpers import gpu_compile_or_skip
+
+  from benchmarks import gpu_speed
+  from benchmarks import llama
+
+  gpu_compile_or_skip()
+  argv = ["--models", "1B", "--targets", "rtx4090_24gb", "--variants", "fused_nvme"]
+  argv += ["--host-memory", "12GiB", "--weights-on", "nvme", "--micro-batch", "1"]
+  (row,) = gpu_speed.main([*argv, "--nvme-dir", str(tmp_path)])
+  cfg = llama.CONFIGS["1B"]
+  stack = cfg.layers * (4 * cfg.d * cfg.d + 3 * cfg.d * cfg.ffn + 2 * cfg.d) * 2
+  assert row["weights_on"] == "nvme" and row["nvme_weight_bytes"] == stack
+  assert row["fits"] and row["host_bytes"] <= 12 * 2**30, row
+  # Each pass reads every layer once and one twice (the forward the last, the backward layer 0,
+  # where their loops end); one write per pair of layers.
+  runs = row["nvme_callbacks_per_step"]
+  assert (
+    runs["nvme_stack_fetch"] == 2 * cfg.layers + 2 and runs["nvme_stack_put"] == cfg.layers // 2
+  )
+  assert row["step_s"] >= row["disk_s"] > 0

@@ -533,20 +533,28 @@ class Writes:
     self.dirs: dict[str, list[int]] = {}
     for k, x in enumerate(self.leaves):
       self.dirs.setdefault(x.directory, []).append(k)
-    self.order: dict[str, list[int]] = {}
+    self.where = where
     for key, ks in self.dirs.items():
-      opened = _opened(key, self.leaves[ks[0]].uid)
-      paths = [self.leaves[k].path for k in ks]
-      if sorted(paths) != sorted(opened.paths) or len(set(paths)) != len(paths):
-        missing = sorted(set(opened.paths) - set(paths))
-        raise ValueError(
-          f"{where}: the layer stack on NVMe at {key} is trained only in part: its leaves "
-          f"{', '.join(missing)} are not in the stack given to oo.offloaded_scan with "
-          f"{', '.join(paths)}. A layer's leaves of one directory are written together: train "
-          "all of the directory's leaves in one stack, or write the frozen ones to a directory "
-          "of their own (oo.write_nvme_stack)."
-        )
-      self.order[key] = [ks[paths.index(p)] for p in opened.paths]  # the store's leaf order
+      with _LOCK:
+        opened = _OPEN.get(key)
+      if opened is not None:  # (stand-ins for a program compiled only: checked when it runs)
+        self._check(key, _opened(key, self.leaves[ks[0]].uid))
+
+  def _check(self, key: str, opened: _Opened) -> list[int]:
+    """The positions of the directory's leaves in the store's leaf order; a ValueError unless
+    they are all of the directory's leaves."""
+    ks = self.dirs[key]
+    paths = [self.leaves[k].path for k in ks]
+    if sorted(paths) != sorted(opened.paths) or len(set(paths)) != len(paths):
+      missing = sorted(set(opened.paths) - set(paths))
+      raise ValueError(
+        f"{self.where}: the layer stack on NVMe at {key} is trained only in part: its leaves "
+        f"{', '.join(missing)} are not in the stack given to oo.offloaded_scan with "
+        f"{', '.join(paths)}. A layer's leaves of one directory are written together: train "
+        "all of the directory's leaves in one stack, or write the frozen ones to a directory "
+        "of their own (oo.write_nvme_stack)."
+      )
+    return [ks[paths.index(p)] for p in opened.paths]
 
   def _callback(self, fn, *args):
     return io_callback(fn, jax.ShapeDtypeStruct((len(self.dirs),), jnp.int32), *args)
@@ -556,13 +564,12 @@ class Writes:
     keys = list(self.dirs)
 
     def begin(*generations):
-      return np.asarray(
-        [
-          _opened(key, self.leaves[self.dirs[key][0]].uid).store.new_generation(int(g))
-          for key, g in zip(keys, generations)
-        ],
-        np.int32,
-      )
+      children = []
+      for key, g in zip(keys, generations):
+        opened = _opened(key, self.leaves[self.dirs[key][0]].uid)
+        self._check(key, opened)
+        children.append(opened.store.new_generation(int(g)))
+      return np.asarray(children, np.int32)
 
     return self._callback(begin, *(self.leaves[ks[0]].generation for ks in self.dirs.values()))
 
@@ -571,8 +578,9 @@ class Writes:
     layers, in the leaves' order) into the token's generations; returns the token."""
 
     def put(token, start, *blocks):
-      for d, (key, order) in enumerate(self.order.items()):
-        opened = _opened(key, self.leaves[order[0]].uid)
+      for d, key in enumerate(self.dirs):
+        opened = _opened(key, self.leaves[self.dirs[key][0]].uid)
+        order = self._check(key, opened)
         for r in range(blocks[0].shape[0]):
           opened.store.put(int(start) + r, int(token[d]), [np.asarray(blocks[k][r]) for k in order])
       return np.asarray(token)
