@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_value_and_update import ON_DEVICE
 from test_value_and_update import OPTIMIZERS
 from test_value_and_update import assert_bits_equal
 from test_value_and_update import decoder
@@ -37,10 +36,9 @@ def train_on_nvme(directory, cfg, params, inner, *, master, k, steps, **options)
   """The fused step with the stack written to `directory` first; returns (params with the stack
   read back, the state, the params as the step returns them, the generation written)."""
   tx = oo.offload(inner, master_dtype=master, min_size=256, **options)
-  stack = oo.write_nvme_stack(directory, params["layers"])
-  # Placed as the other params are, as the step's outputs are (with several devices the leaves'
-  # generations are not committed).
-  params = dict(params, layers=jax.device_put(stack, ON_DEVICE))
+  # The leaves' generations are placed on the mesh of the arrays written (the other params'), as
+  # the step returns them: it compiles once (asserted below).
+  params = dict(params, layers=oo.write_nvme_stack(directory, params["layers"]))
   written = int(jax.tree.leaves(params["layers"])[0])
   state = tx.init(params)
   step = jax.jit(
@@ -81,13 +79,17 @@ def test_a_stack_trained_on_nvme_equals_plain_optax(stack_dir, dtype, layers, k)
   assert store.committed_generation == written + 3 and len(store.generations_on_disk) <= 4
 
 
-def test_adam_with_its_state_on_nvme_too_equals_the_stack_in_host_memory(stack_dir, tmp_path):
+def test_adam_with_its_state_on_nvme_too_equals_the_stack_in_host_memory(
+  stack_dir, tmp_path, monkeypatch
+):
   # Full fine-tuning with nothing of the stack in host memory between steps: its bf16 weights on
   # NVMe and its fp32 master copy and moments in the NVMe tier; two micro-batches a step. Adam's
   # bias correction fuses per group (within RTOL of plain optax), so the reference is the same
-  # fused step with the stack in pinned host memory, bit for bit.
+  # fused step with the stack in pinned host memory, bit for bit. A window of 512 KiB streams the
+  # stack's leaves in row slices of a layer or two.
   make, _ = OPTIMIZERS["adamw"]
   cfg, params = decoder(5, jnp.bfloat16)
+  window = 512 * 1024
   want, _ = fused(
     cfg,
     jax.tree.map(jnp.copy, params),
@@ -97,6 +99,13 @@ def test_adam_with_its_state_on_nvme_too_equals_the_stack_in_host_memory(stack_d
     clip=None,
     steps=2,
     on_host=True,
+    window=window,
+  )
+  # init makes the state a row slice at a time: it reads each slice's layers, never a matrix whole.
+  reads = []
+  read_rows = nvme_stack.read_rows
+  monkeypatch.setattr(
+    nvme_stack, "read_rows", lambda x, a, b: reads.append((x.path, a, b)) or read_rows(x, a, b)
   )
   got, state, _, _ = train_on_nvme(
     stack_dir,
@@ -108,8 +117,13 @@ def test_adam_with_its_state_on_nvme_too_equals_the_stack_in_host_memory(stack_d
     steps=2,
     nvme_dir=str(tmp_path / "state"),
     host_limit=0,
+    window_bytes=window,
   )
   assert_bits_equal(got, want)
+  sliced = {p for p, a, b in reads if a is not None}
+  assert len(sliced) == 7 and all(b - a <= 2 for _, a, b in reads if a is not None), reads
+  # The norms' scales (5 x 64 each) are whole in a group of their own.
+  assert {p for p, a, _ in reads if a is None} == {"['attn_norm']", "['mlp_norm']"}, reads
   bytes_per_tier = oo.footprint(state)
   assert bytes_per_tier["host"] == 0 and bytes_per_tier["nvme"] > 0, bytes_per_tier
   oo.close_nvme(state)
@@ -221,6 +235,7 @@ def test_a_host_budget_plans_the_stack_on_nvme_where_it_is(stack_dir, tmp_path):
 
   cfg, params = decoder(4, jnp.bfloat16)
   stack_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
+  n_params = sum(x.size for x in jax.tree.leaves(params))
   params = dict(params, layers=oo.write_nvme_stack(stack_dir, params["layers"]))
   tx = oo.offload(
     optax.adamw(1e-3),
@@ -228,15 +243,23 @@ def test_a_host_budget_plans_the_stack_on_nvme_where_it_is(stack_dir, tmp_path):
     min_size=256,
     host_memory="1GiB",
     nvme_dir=str(tmp_path / "state"),
+    accumulate=2,
   )
   state = tx.init(params)
   planned = offload_lib._OFFLOADED[tx.update].host_memory.planned
   assert planned.weights_on == "nvme" and planned.host_weight_bytes == 0
   assert planned.nvme_weight_bytes == stack_bytes
-  step = jax.jit(oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx))
-  loss, params, state = step(params, state, tokens(0, 0, 1))
+  # The stack's fp32 accumulators live in pinned host memory (value_and_update's, beside it).
+  assert planned.accumulate == 2 and planned.accumulator_bytes == 2 * stack_bytes
+  step = jax.jit(oo.value_and_update(lambda p, t: streamed_loss_fn(cfg, p, t), tx, accumulate=2))
+  loss, params, state = step(params, state, jnp.stack([tokens(0, m, 2) for m in range(2)]))
   assert np.isfinite(float(loss))
   oo.close_nvme(state)
+  # oo.estimate of such params plans the stack there too, counting its params whole.
+  e = oo.estimate(params, optimizer=optax.adamw(1e-3), master_dtype="fp32", min_size=256)
+  assert (e.weights_on, e.params, e.nvme_weight_bytes) == ("nvme", n_params, stack_bytes)
+  with pytest.raises(ValueError, match="hold a layer stack on NVMe"):
+    oo.estimate(params, weights_on="host")
 
 
 def test_the_modelled_step_of_a_1b_stack_trained_on_nvme(tmp_path):

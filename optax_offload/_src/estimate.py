@@ -34,6 +34,7 @@ from optax_offload._src import layout as layout_lib
 from optax_offload._src import master as master_lib
 from optax_offload._src import memory
 from optax_offload._src import named_optimizers
+from optax_offload._src import nvme_stack
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import report
 from optax_offload._src import tree_plan
@@ -648,6 +649,23 @@ def estimate(
   else:
     tx = optimizer if opt is None else opt.factory()
     tree = _param_tree(params)
+    flat, treedef = jax.tree.flatten(tree, is_leaf=nvme_stack.is_leaf)
+    if any(map(nvme_stack.is_leaf, flat)):
+      # A stack on NVMe (`write_nvme_stack`'s leaves): planned as a stack in pinned host memory,
+      # with its weights on the drive.
+      if weights_on == "host":
+        raise ValueError(
+          'weights_on="host": the params hold a layer stack on NVMe (oo.write_nvme_stack); plan '
+          'it there (weights_on="nvme", the default for such params) or give the stack in '
+          "pinned host memory."
+        )
+      if update_in_backward is False:
+        raise ValueError(
+          "update_in_backward=False: the params hold a layer stack on NVMe, which value_and_update "
+          "trains in the backward pass only."
+        )
+      weights_on = "nvme"
+      tree = treedef.unflatten(nvme_stack.host_stand_ins(flat))
     derived = _derive(tree, tx, master, moments, min_size)
     stack = [
       host_budget.StackLeaf(_nbytes(x), x.shape[0], math.prod(x.shape), memory.held_bytes(x))

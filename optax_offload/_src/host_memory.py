@@ -90,7 +90,8 @@ class HostMemory:
     described = [] if concrete else _live_described(on_host)
     other = memory.pinned_host_bytes(exclude=[params, described])
     other += sum(p.reserved for p in _PLANNED if p is not self)
-    accumulate = self.accumulate if on_host else 1  # accumulators of a device stack: device
+    # Accumulators of a device stack: on the device; of a stack on NVMe: in pinned host memory.
+    accumulate = self.accumulate if on_host or any(disk) else 1
     room = max(self.budget - other, 0)
     taken = (
       f" ({units.format_bytes(other)} of it already held by other arrays in pinned host memory "

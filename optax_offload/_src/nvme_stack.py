@@ -303,21 +303,38 @@ def write_nvme_stack(
   opened = _Opened(store, paths, n, doc["uid"])
   with _LOCK:
     _OPEN[key] = opened
-  return _leaves(key, treedef, full, dtypes, opened)
+  return _leaves(key, treedef, full, dtypes, opened, _placement([a for _, a in flat]))
 
 
-def _leaves(key, treedef, full, dtypes, opened: _Opened) -> Any:
-  gen = np.asarray(opened.store.committed_generation, np.int32)
-  # An array of its own per leaf (a step that trains the stack donates each). On a machine of one
-  # device it is committed there, as a step's outputs are, so that a step that trains the stack
-  # finds its first program on its second call; with several devices it is left uncommitted, so
-  # that a jitted function over a mesh takes it.
+def _placement(arrays: Sequence[Any]) -> Any:
+  """Where the leaves' generations go: replicated on the mesh of the arrays the stack was written
+  from (or that `like` describes), where a step over params on that mesh returns them; else on the
+  one device, or uncommitted on a machine of several (so that a jitted function over a mesh takes
+  them). A step that trains the stack then finds its first program on its second call."""
+  for a in arrays:
+    sharding = getattr(a, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(), memory_kind="device"
+      )
   devices = jax.devices()
-  put = (lambda x: jax.device_put(x, devices[0])) if len(devices) == 1 else jnp.asarray
+  return devices[0] if len(devices) == 1 else None
+
+
+def _leaves(key, treedef, full, dtypes, opened: _Opened, placement: Any = None) -> Any:
+  gen = np.asarray(opened.store.committed_generation, np.int32)
+  # An array of its own per leaf: a step that trains the stack donates each.
   return jax.tree.unflatten(
     treedef,
     [
-      NvmeStackLeaf(put(gen), key, p, s, d, opened.uid)
+      NvmeStackLeaf(
+        jnp.asarray(gen) if placement is None else jax.device_put(gen, placement),
+        key,
+        p,
+        s,
+        d,
+        opened.uid,
+      )
       for p, s, d in zip(opened.paths, full, dtypes)
     ],
   )
@@ -366,7 +383,8 @@ def open_nvme_stack(
       groups = _groups(paths, [s[1:] for s in full], dtypes, n)
       store = _store(pathlib.Path(key), groups, options, create=False)
       opened = _OPEN[key] = _Opened(store, paths, n, doc.get("uid", ""))
-  return _leaves(key, treedef, full, dtypes, opened)
+  placement = _placement([a.generation if is_leaf(a) else a for _, a in flat])
+  return _leaves(key, treedef, full, dtypes, opened, placement)
 
 
 def _description(key: str) -> dict[str, Any]:
@@ -413,6 +431,37 @@ def _opened(key: str, uid: str) -> _Opened:
       "stack now lives there); open it with oo.open_nvme_stack(directory, like) for its leaves."
     )
   return opened
+
+
+def host_stand_ins(values: Sequence[Any]) -> list[Any]:
+  """`values` with each `NvmeStackLeaf` replaced by a `jax.ShapeDtypeStruct` in pinned host memory
+  (replicated on the mesh of the other values' `NamedSharding`s, else on the first device): what
+  the optimizer plans for a stack trained on NVMe, as for a stack kept in pinned host memory."""
+  if not any(is_leaf(v) for v in values):
+    return list(values)
+  named = jax.sharding.NamedSharding
+  meshes = [s.mesh for v in values if isinstance(s := getattr(v, "sharding", None), named)]
+  host = (
+    named(meshes[0], jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+    if meshes
+    else jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  )
+  return [
+    jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=host) if is_leaf(v) else v for v in values
+  ]
+
+
+def read_rows(leaf: NvmeStackLeaf, start: int | None = None, stop: int | None = None) -> np.ndarray:
+  """Layers ``start:stop`` of one leaf (all by default), read a layer at a time (host memory: the
+  rows, and one layer of the directory's other leaves while it is read)."""
+  opened = _opened(leaf.directory, leaf.uid)
+  gen, j = int(np.asarray(leaf.generation)), opened.paths.index(leaf.path)
+  layers = range(opened.num_layers)[slice(start, stop)]
+  out = np.empty((len(layers), *leaf.shape[1:]), leaf.dtype)
+  for r, i in enumerate(layers):
+    ahead = [(k, gen) for k in range(i + 1, min(i + 3, layers.stop))]
+    out[r] = opened.fetch(i, gen, ahead)[j]
+  return out
 
 
 def read_nvme_stack(stack: Any) -> Any:

@@ -318,7 +318,9 @@ class _Offloaded:
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=nvme_stack.is_leaf)
     paths = [layout_lib.leaf_path(p) for p, _ in flat]
     given = [v for _, v in flat]
-    values = _read_stacks(given, abstract_only=True)  # (read after the plan: its RAM is transient)
+    # A stack on NVMe (`write_nvme_stack`'s leaves, trained by value_and_update) is planned as a
+    # stack in pinned host memory is; its weights are read below, only where the state needs them.
+    values = nvme_stack.host_stand_ins(given)
     avals = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in values]
     shardings = [getattr(v, "sharding", None) for v in values]
     if self.master_dtype is not None:
@@ -326,8 +328,9 @@ class _Offloaded:
     traced = any(isinstance(v, jax.core.Tracer) for v in values)
     setup = self.setup_for_init(treedef, paths, avals, shardings, params, traced)
     layout = self.layout_for(treedef)
+    rows = {}  # leaf -> its rows, read per NVMe group (`_init_nvme`)
     if not abstract_only:
-      values = _read_stacks(given, abstract_only=False)
+      values, rows = _stack_values(given, values, setup)
 
     def leaves_of(concrete):
       it = iter(concrete)
@@ -368,7 +371,9 @@ class _Offloaded:
         )
       return place(*concrete)
     if setup.nvme is not None:
-      _init_nvme(inner, setup, generation, lambda c: treedef.unflatten(leaves_of(c)), concrete)
+      _init_nvme(
+        inner, setup, generation, lambda c: treedef.unflatten(leaves_of(c)), concrete, rows
+      )
     return jax.jit(place, out_shardings=placed)(*concrete)
 
   def update(
@@ -611,22 +616,30 @@ def _warn_if_uncommitted(values: Sequence[Any]) -> None:
     return
 
 
-def _init_nvme(inner, setup: setup_lib.Setup, generation: int, build_params, concrete) -> None:
+def _init_nvme(
+  inner, setup: setup_lib.Setup, generation: int, build_params, concrete, rows=None
+) -> None:
   """Writes the initial NVMe-tier state group by group, so it never sits whole in memory.
 
   A row slice's state is the inner ``init`` of the slice's rows of the params (a leaf is sliced
   only when its update is row-separable, which holds for its init: per-element state such as
-  moments or master copies), so a huge leaf's state is never built whole either.
+  moments or master copies), so a huge leaf's state is never built whole either. `rows` maps a
+  leaf to ``rows(start, stop)``, its rows read for the group (a layer stack on NVMe), in place of
+  its value in `concrete`.
   """
   layout, tier = setup.layout, setup.nvme
+  rows = rows or {}
   for k in tier.groups:
     pieces = [p for p in setup.plan.units[k] if plan_lib.Tier.NVME in setup.array_tiers[p.leaf]]
     group = [p.leaf for p in pieces]
+    read = {p.leaf: rows[p.leaf](p.start, p.stop) for p in pieces if p.leaf in rows}
 
-    def group_init(*c, pieces=pieces, group=group):
+    def group_init(read, *c, pieces=pieces, group=group):
       leaves = layout.params_treedef.flatten_up_to(build_params(c))
       for p in pieces:
-        if not p.whole:
+        if p.leaf in read:  # the piece's rows already
+          leaves[p.leaf] = read[p.leaf]
+        elif not p.whole:
           leaves[p.leaf] = jax.lax.slice_in_dim(leaves[p.leaf], p.start, p.stop)
       parts = layout.unview(inner.init(layout.masked(leaves, group)), group)[1]
       # In the whole tree's dtypes (the plan's): a state the update widens (`update_dtypes`) may
@@ -645,7 +658,7 @@ def _init_nvme(inner, setup: setup_lib.Setup, generation: int, build_params, con
         for i, part in parts.items()
       }
 
-    parts = jax.eval_shape(group_init, *concrete)
+    parts = jax.eval_shape(group_init, read, *concrete)
     out_shardings = {
       i: setup_lib.map_arrays(
         part,
@@ -654,31 +667,25 @@ def _init_nvme(inner, setup: setup_lib.Setup, generation: int, build_params, con
       )
       for i, part in parts.items()
     }
-    tier.write_group(k, generation, jax.jit(group_init, out_shardings=out_shardings)(*concrete))
+    tier.write_group(
+      k, generation, jax.jit(group_init, out_shardings=out_shardings)(read, *concrete)
+    )
   tier.commit(generation)
 
 
-def _read_stacks(values: list[Any], abstract_only: bool) -> list[Any]:
-  """`values` with each layer stack leaf on NVMe (`nvme_stack.NvmeStackLeaf`, trained by
-  `value_and_update`) read into pinned host memory, as a stack kept there is: the state (a master
-  copy) is made from its weights. With `abstract_only`, its shape and dtype there."""
-  leaves = [v for v in values if nvme_stack.is_leaf(v)]
-  if not leaves:
-    return values
-  # Replicated on the params' mesh where they have one (the NVMe tier wants one mesh).
-  named = jax.sharding.NamedSharding
-  meshes = [s.mesh for v in values if isinstance(s := getattr(v, "sharding", None), named)]
-  host = (
-    named(meshes[0], jax.sharding.PartitionSpec(), memory_kind="pinned_host")
-    if meshes
-    else jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-  )
-  if abstract_only:
-    read = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host) for x in leaves]
-  else:
-    read = [jax.device_put(a, host) for a in nvme_stack.read_nvme_stack(leaves)]
-  it = iter(read)
-  return [next(it) if nvme_stack.is_leaf(v) else v for v in values]
+def _stack_values(given: list[Any], values: list[Any], setup: setup_lib.Setup):
+  """(`values` with the weights of the stack leaves on NVMe whose state needs them whole, read into
+  pinned host memory; per stack leaf whose state is all in the NVMe tier, ``rows(start, stop)``:
+  `_init_nvme` reads each group's rows only, so the stack is never whole in RAM)."""
+  values, rows = list(values), {}
+  for i, v in enumerate(given):
+    if not nvme_stack.is_leaf(v):
+      continue
+    if all(t is plan_lib.Tier.NVME for t in setup.array_tiers[i]):
+      rows[i] = lambda start, stop, v=v: nvme_stack.read_rows(v, start, stop)
+    else:
+      values[i] = jax.device_put(nvme_stack.read_rows(v), values[i].sharding)
+  return values, rows
 
 
 def _place_array(tier: plan_lib.Tier, j: int, x: jax.Array) -> jax.Array:
