@@ -258,6 +258,7 @@ def test_a_host_budget_plans_the_stack_on_nvme_where_it_is(stack_dir, tmp_path):
   # oo.estimate of such params plans the stack there too, counting its params whole.
   e = oo.estimate(params, optimizer=optax.adamw(1e-3), master_dtype="fp32", min_size=256)
   assert (e.weights_on, e.params, e.nvme_weight_bytes) == ("nvme", n_params, stack_bytes)
+  assert e.weights_on_reason == "the params hold them there (oo.write_nvme_stack)"
   with pytest.raises(ValueError, match="hold a layer stack on NVMe"):
     oo.estimate(params, weights_on="host")
 

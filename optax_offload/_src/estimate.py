@@ -616,6 +616,7 @@ def estimate(
     activation_bytes=activations,
     bandwidths=Bandwidths() if bandwidths is None else bandwidths,
   )
+  held_on_nvme = False  # the params hold a layer stack on NVMe (write_nvme_stack's leaves)
   if isinstance(params, int | float | str) and not isinstance(params, bool):
     if opt is None:
       raise ValueError(
@@ -664,7 +665,7 @@ def estimate(
           "update_in_backward=False: the params hold a layer stack on NVMe, which value_and_update "
           "trains in the backward pass only."
         )
-      weights_on = "nvme"
+      weights_on, held_on_nvme = "nvme", True
       tree = treedef.unflatten(nvme_stack.host_stand_ins(flat))
     derived = _derive(tree, tx, master, moments, min_size)
     stack = [
@@ -712,7 +713,13 @@ def estimate(
         e = host_budget.with_weights_on_nvme(e, stack, weights_to_nvme)
       return e
 
-    on_nvme = "as asked (--weights-on nvme)" if weights_on == "nvme" else None
+    on_nvme = None
+    if weights_on == "nvme":
+      on_nvme = (
+        "the params hold them there (oo.write_nvme_stack)"
+        if held_on_nvme
+        else "as asked (--weights-on nvme)"
+      )
     if host_memory is None:
       e = build(host_limit, on_nvme)
     elif on_nvme:
