@@ -57,7 +57,10 @@ def _mlp(x, w):
   return x + jax.nn.gelu(up) @ w["base"]["w_out"], None
 
 
-def cpu(args) -> dict:
+def _mlp_stack(args):
+  """The measured runs' stack of bf16 MLP layers, written to NVMe under `--dir` (a temporary
+  directory by default): (layers, bytes a layer, the measured directory, the stack's directory,
+  the stack's leaves, a random generator)."""
   d, f = args.d, 4 * args.d
   layer_bytes = 2 * d * f * 2
   n = max(2, int(oo.parse_bytes(args.stack_bytes, "--stack-bytes")) // layer_bytes)
@@ -72,7 +75,29 @@ def cpu(args) -> dict:
       "w_out": (rng.standard_normal((f, d), np.float32) * 0.02).astype(jnp.bfloat16),
     }
 
-  base = oo.write_nvme_stack(stack_dir, layer, num_layers=n)
+  stack = oo.write_nvme_stack(stack_dir, layer, num_layers=n)
+  return n, layer_bytes, directory, stack_dir, stack, rng
+
+
+def _compared(n: int, layer_bytes: int, times: dict[str, list[float]], directory: str):
+  """(the disk's rates on `directory`, the figures both measured runs report: the stack, each
+  run's median step, the first of each compiling, and their ratio)."""
+  disk = oo.measure_bandwidths(directory, nbytes=min(n * layer_bytes, 1 << 30))
+  host_s = statistics.median(times["host"][1:])
+  nvme_s = statistics.median(times["nvme"][1:])
+  return disk, {
+    "layers": n,
+    "layer_bytes": layer_bytes,
+    "stack_bytes": n * layer_bytes,
+    "step_s_host": host_s,
+    "step_s_nvme": nvme_s,
+    "ratio_nvme_to_host": nvme_s / host_s,
+  }
+
+
+def cpu(args) -> dict:
+  d, f = args.d, 4 * args.d
+  n, layer_bytes, directory, stack_dir, base, rng = _mlp_stack(args)
   on_host = oo.to_pinned_host(jax.tree.map(jnp.asarray, oo.read_nvme_stack(base)))
   lora = oo.to_pinned_host(
     {
@@ -100,17 +125,11 @@ def cpu(args) -> dict:
         read.append(opened.store.stats["bytes_read"] - before)
   stats = opened.store.stats
   oo.close_nvme_stack(base)
-  disk = oo.measure_bandwidths(directory, nbytes=min(n * layer_bytes, 1 << 30))
-  host_s = statistics.median(times["host"][1:])
-  nvme_s = statistics.median(times["nvme"][1:])
+  disk, out = _compared(n, layer_bytes, times, directory)
+  host_s, nvme_s = out["step_s_host"], out["step_s_nvme"]
   per_step = statistics.median(read[1:])
   out = {
-    "layers": n,
-    "layer_bytes": layer_bytes,
-    "stack_bytes": n * layer_bytes,
-    "step_s_host": host_s,
-    "step_s_nvme": nvme_s,
-    "ratio_nvme_to_host": nvme_s / host_s,
+    **out,
     "bytes_read_per_step": per_step,
     "read_rate_in_step": per_step / nvme_s,
     "disk_read_rate": disk.nvme_read,
@@ -131,19 +150,8 @@ def train(args) -> dict:
   """``train``: see the module docstring."""
   import optax
 
-  d, f = args.d, 4 * args.d
-  layer_bytes = 2 * d * f * 2
-  n = max(2, int(oo.parse_bytes(args.stack_bytes, "--stack-bytes")) // layer_bytes)
-  rng = np.random.default_rng(0)
-  directory = args.dir or tempfile.mkdtemp(prefix="nvme_stack_bench_")
-  os.makedirs(directory, exist_ok=True)
-  stack_dir = tempfile.mkdtemp(dir=directory)
-
-  def layer(i):
-    return {
-      "w_in": (rng.standard_normal((d, f), np.float32) * 0.02).astype(jnp.bfloat16),
-      "w_out": (rng.standard_normal((f, d), np.float32) * 0.02).astype(jnp.bfloat16),
-    }
+  d = args.d
+  n, layer_bytes, directory, stack_dir, stack, rng = _mlp_stack(args)
 
   def body(x, w):
     return x + jax.nn.gelu(x @ w["w_in"]) @ w["w_out"], None
@@ -152,7 +160,6 @@ def train(args) -> dict:
     y, _ = oo.offloaded_scan(body, x, p["layers"])
     return jnp.mean(y.astype(jnp.float32) ** 2)
 
-  stack = oo.write_nvme_stack(stack_dir, layer, num_layers=n)
   x = jnp.asarray(rng.standard_normal((args.tokens, d)), jnp.bfloat16)
   runs = {
     "host": {"layers": oo.to_pinned_host(jax.tree.map(jnp.asarray, oo.read_nvme_stack(stack)))},
@@ -188,19 +195,13 @@ def train(args) -> dict:
           )
         )
   oo.close_nvme_stack(runs["nvme"]["layers"])
-  disk = oo.measure_bandwidths(directory, nbytes=min(n * layer_bytes, 1 << 30))
-  host_s = statistics.median(times["host"][1:])
-  nvme_s = statistics.median(times["nvme"][1:])
+  disk, out = _compared(n, layer_bytes, times, directory)
+  host_s, nvme_s = out["step_s_host"], out["step_s_nvme"]
   read = statistics.median(r for r, _ in moved[1:])
   written = statistics.median(w for _, w in moved[1:])
   disk_s = read / disk.nvme_read + written / disk.nvme_write
   out = {
-    "layers": n,
-    "layer_bytes": layer_bytes,
-    "stack_bytes": n * layer_bytes,
-    "step_s_host": host_s,
-    "step_s_nvme": nvme_s,
-    "ratio_nvme_to_host": nvme_s / host_s,
+    **out,
     "bytes_read_per_step": read,
     "bytes_written_per_step": written,
     "disk_read_rate": disk.nvme_read,

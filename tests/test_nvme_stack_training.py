@@ -288,3 +288,16 @@ def test_the_modelled_step_of_a_1b_stack_trained_on_nvme(tmp_path):
     runs["nvme_stack_fetch"] == 2 * cfg.layers + 2 and runs["nvme_stack_put"] == cfg.layers // 2
   )
   assert row["step_s"] >= row["disk_s"] > 0
+
+
+def test_the_training_benchmark_runs_at_small_sizes(tmp_path):
+  # `benchmarks/nvme_stack.py train` in miniature: 4 layers; a step reads 2 x 4 - 2 layers (the
+  # layer where the passes turn is read once) and writes 4.
+  from benchmarks import nvme_stack as bench
+
+  argv = ["train", "--stack-bytes", "1MiB", "--d", "128", "--tokens", "8"]
+  out = bench.main([*argv, "--repeats", "1", "--steps", "2", "--dir", str(tmp_path)])
+  layer = out["layer_bytes"]
+  assert out["layers"] == 4 and layer == 2 * 128 * 512 * 2
+  assert out["bytes_read_per_step"] == 6 * layer and out["bytes_written_per_step"] == 4 * layer
+  assert out["step_s_nvme"] > 0 and out["step_s_host"] > 0
