@@ -305,14 +305,13 @@ def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts, tok):
   b = bufs
   if n % 2:  # the odd last layer alone; its outputs go out before the loop
     w_top, extra_top, tok = fetch(b, top, tok)
-    wb = fetch(b, max(top - 1, 0), tok)
+    wb, _, tok = fetch(b, max(top - 1, 0), tok)
     g, gconsts, gw = one(g, treedef.unflatten([a[0] for a in w_top]), top, gconsts)
     block, sums = consume(w_top, gw, extra_top, sums)
     b = write(b, top, block)
     top -= 1
   else:
-    wb = fetch(b, top, tok)
-  tok = wb[2]
+    wb, _, tok = fetch(b, top, tok)
   if n < 2:
     return gconsts, g, _finish(b, sums, consumer)
 
@@ -353,7 +352,6 @@ def _consume_rows(one, consumer: Consumer, stack, io, g, gconsts, tok):
     blk = jax.tree.map(lambda lo, hi_: jnp.concatenate([lo, hi_]), out_lo, out_hi)
     return (g, wb_next, gconsts, b, blk, sums, tok), None
 
-  wb = wb[0]
   init = (g, wb, gconsts, b, blk0, sums, tok)
   (g, _, gconsts, b, blk, sums, _), _ = lax.scan(pair, init, jnp.arange(n // 2))
   b = write(b, 0, blk)

@@ -179,8 +179,9 @@ def value_and_update(
     TypeError: for a transformation it does not recognise.
     ValueError: when a stack's optimizer state cannot be updated layer by layer.
     NotImplementedError: with ``update_on="host"``; with a stack's state in the NVMe tier and
-      params on a mesh of several devices; with a stack on NVMe and a clip or several devices; with a stack's state holding integers of 8 bytes or
-      booleans (8-bit moments, ``moment_dtype="int8"``, are carried: `_carrier`).
+      params on a mesh of several devices; with a stack on NVMe and a clip or several devices;
+      with a stack's state holding integers of 8 bytes or booleans (8-bit moments,
+      ``moment_dtype="int8"``, are carried: `_carrier`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optax_offload as oo
