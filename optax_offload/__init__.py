@@ -35,6 +35,7 @@ from optax_offload._src.nvme import NvmeOptions
 from optax_offload._src.nvme import NvmeWriteError
 from optax_offload._src.nvme_stack import NvmeStackLeaf
 from optax_offload._src.nvme_stack import close_nvme_stack
+from optax_offload._src.nvme_stack import copy_nvme_stack
 from optax_offload._src.nvme_stack import open_nvme_stack
 from optax_offload._src.nvme_stack import read_nvme_stack
 from optax_offload._src.nvme_stack import write_nvme_stack
@@ -95,6 +96,7 @@ __all__ = (
   "abstract_state",
   "close_nvme",
   "close_nvme_stack",
+  "copy_nvme_stack",
   "compile_for_gpu",
   "describe_plan",
   "estimate",

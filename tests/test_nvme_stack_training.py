@@ -301,3 +301,46 @@ def test_the_training_benchmark_runs_at_small_sizes(tmp_path):
   assert out["layers"] == 4 and layer == 2 * 128 * 512 * 2
   assert out["bytes_read_per_step"] == 6 * layer and out["bytes_written_per_step"] == 4 * layer
   assert out["step_s_nvme"] > 0 and out["step_s_host"] > 0
+
+
+def test_a_checkpoint_of_the_stack_and_the_state_resumes_bit_for_bit(stack_dir, tmp_path):
+  # The stack copied at a step (oo.copy_nvme_stack, a layer at a time) beside an Orbax checkpoint
+  # of the optimizer state at that step: training resumed from both, in a new optimizer, gives the
+  # bits of training on. The copy keeps its weights while the stack trains on.
+  import orbax.checkpoint as ocp
+
+  make, _ = OPTIMIZERS["sgd_momentum"]
+  cfg, params = decoder(2, jnp.bfloat16)
+  loss = lambda p, t: streamed_loss_fn(cfg, p, t)  # noqa: E731
+  tx = oo.offload(make(), master_dtype=jnp.float32, min_size=256)
+  params = dict(params, layers=oo.write_nvme_stack(stack_dir, params["layers"]))
+  state = tx.init(params)
+  step = jax.jit(oo.value_and_update(loss, tx))
+  for s in range(1):
+    _, params, state = step(params, state, tokens(s, 0, 1))
+  copy = oo.copy_nvme_stack(params["layers"], tmp_path / "ckpt_stack")
+  stack_at_1 = oo.read_nvme_stack(params["layers"])
+  rest_at_1 = {k: jnp.copy(v) for k, v in params.items() if k != "layers"}
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    mngr.save(1, args=ocp.args.Composite(opt_state=oo.OffloadSave(state)))
+    mngr.wait_until_finished()
+  for s in range(1, 3):
+    _, params, state = step(params, state, tokens(s, 0, 1))
+  want = dict(params, layers=oo.read_nvme_stack(params["layers"]))
+  assert_bits_equal(oo.read_nvme_stack(copy), stack_at_1)
+
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack_at_1)
+  oo.close_nvme_stack(copy)
+  resumed = dict(rest_at_1, layers=oo.open_nvme_stack(tmp_path / "ckpt_stack", like))
+  tx = oo.offload(make(), master_dtype=jnp.float32, min_size=256)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    restored = mngr.restore(
+      1, args=ocp.args.Composite(opt_state=oo.OffloadRestore(tx.init(resumed)))
+    )
+  state = restored["opt_state"]
+  step = jax.jit(oo.value_and_update(loss, tx))
+  for s in range(1, 3):
+    _, resumed, state = step(resumed, state, tokens(s, 0, 1))
+  assert_bits_equal(dict(resumed, layers=oo.read_nvme_stack(resumed["layers"])), want)
+  with pytest.raises(ValueError, match="leaves of one stack directory"):
+    oo.copy_nvme_stack({"a": resumed["layers"]["wq"], "b": jnp.ones(3)}, tmp_path / "x")

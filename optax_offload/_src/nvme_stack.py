@@ -433,6 +433,44 @@ def _opened(key: str, uid: str) -> _Opened:
   return opened
 
 
+def copy_nvme_stack(
+  stack: Any, directory: str | os.PathLike, *, options: nvme.NvmeOptions | None = None
+) -> Any:
+  """Copies a stack on NVMe, at the generation its leaves name, into a new directory.
+
+  A layer at a time (never whole in RAM); e.g. a checkpoint of a stack that `value_and_update`
+  trains, saved beside the optimizer state's (`OffloadSave`) of the same step: the stack's own
+  directory keeps only its last generations. `open_nvme_stack` opens the copy.
+
+  Args:
+    stack: a pytree of `NvmeStackLeaf`s of one directory (some or all of its leaves).
+    directory: the new stack's directory (`write_nvme_stack`'s).
+    options: the copy's `NvmeOptions` (`write_nvme_stack`'s).
+
+  Returns:
+    The copy's leaves.
+
+  Raises:
+    ValueError: `stack` holds other leaves or several directories.
+    FileExistsError: `directory` holds a stack already; nothing there is changed.
+  """
+  leaves, treedef = jax.tree.flatten(stack, is_leaf=is_leaf)
+  if not leaves or not all(map(is_leaf, leaves)) or len({x.directory for x in leaves}) != 1:
+    raise ValueError(
+      "copy_nvme_stack: give the NvmeStackLeaf leaves of one stack directory (as "
+      "write_nvme_stack or a training step returns them), and copy others on their own."
+    )
+  opened = _opened(leaves[0].directory, leaves[0].uid)
+  gen, n = int(np.asarray(leaves[0].generation)), opened.num_layers
+  members = [opened.paths.index(x.path) for x in leaves]
+
+  def layer(i):
+    arrays = opened.fetch(i, gen, [(j, gen) for j in range(i + 1, min(i + 3, n))])
+    return treedef.unflatten([arrays[j] for j in members])
+
+  return write_nvme_stack(directory, layer, num_layers=n, options=options)
+
+
 def host_stand_ins(values: Sequence[Any]) -> list[Any]:
   """`values` with each `NvmeStackLeaf` replaced by a `jax.ShapeDtypeStruct` in pinned host memory
   (replicated on the mesh of the other values' `NamedSharding`s, else on the first device): what
