@@ -346,8 +346,9 @@ def nvme_tx(
 
 
 def compile_nvme(cfg, target: str, args, window: int, options, k: int):
-  """(`nvme_plan`, the compiled `fused_nvme` step of k micro-batches that it places), with the
-  row's ``--accumulator-dtype``, ``--device-leaves`` and ``--xla-slop-factor``."""
+  """(`nvme_plan`, the compiled `fused_nvme` step of k micro-batches that it places: the stack's
+  weights on NVMe where the plan puts them there), with the row's ``--accumulator-dtype``,
+  ``--device-leaves`` and ``--xla-slop-factor``."""
   e, tx = nvme_tx(cfg, target, args, window, options, k, args.accumulator_dtype)
   c = compile_variant(
     cfg,
@@ -360,7 +361,7 @@ def compile_nvme(cfg, target: str, args, window: int, options, k: int):
     acc_dtype=units.parse_accumulator_dtype(args.accumulator_dtype),
     device_leaves=args.device_leaves,
     slop_factor=args.xla_slop_factor,
-    stack_on_nvme=getattr(args, "weights_on", "host") == "nvme",
+    stack_on_nvme=e.weights_on == "nvme",
   )
   return e, c
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_value_and_update import ON_DEVICE
 from test_value_and_update import OPTIMIZERS
 from test_value_and_update import assert_bits_equal
 from test_value_and_update import decoder
@@ -36,9 +37,11 @@ def train_on_nvme(directory, cfg, params, inner, *, master, k, steps, **options)
   """The fused step with the stack written to `directory` first; returns (params with the stack
   read back, the state, the params as the step returns them, the generation written)."""
   tx = oo.offload(inner, master_dtype=master, min_size=256, **options)
-  # The leaves' generations are placed on the mesh of the arrays written (the other params'), as
-  # the step returns them: it compiles once (asserted below).
-  params = dict(params, layers=oo.write_nvme_stack(directory, params["layers"]))
+  # The leaves' generations placed as the other params are (on their one-device mesh), as the step
+  # returns them: it compiles once (asserted below). (On this 4-device machine write_nvme_stack
+  # leaves them uncommitted: a mesh of one device of four could clash with a frozen stack's use.)
+  stack = oo.write_nvme_stack(directory, params["layers"])
+  params = dict(params, layers=jax.device_put(stack, ON_DEVICE))
   written = int(jax.tree.leaves(params["layers"])[0])
   state = tx.init(params)
   step = jax.jit(
@@ -274,13 +277,15 @@ def test_the_modelled_step_of_a_1b_stack_trained_on_nvme(tmp_path):
   from benchmarks import llama
 
   gpu_compile_or_skip()
+  # 9 GiB holds not the stack's 2.26e9 B of weights beside the NVMe buffers: the plan moves them to
+  # NVMe (--weights-on host, the default), and the program compiled is the plan's.
   argv = ["--models", "1B", "--targets", "rtx4090_24gb", "--variants", "fused_nvme"]
-  argv += ["--host-memory", "12GiB", "--weights-on", "nvme", "--micro-batch", "1"]
+  argv += ["--host-memory", "9GiB", "--micro-batch", "1"]
   (row,) = gpu_speed.main([*argv, "--nvme-dir", str(tmp_path)])
   cfg = llama.CONFIGS["1B"]
   stack = cfg.layers * (4 * cfg.d * cfg.d + 3 * cfg.d * cfg.ffn + 2 * cfg.d) * 2
   assert row["weights_on"] == "nvme" and row["nvme_weight_bytes"] == stack
-  assert row["fits"] and row["host_bytes"] <= 12 * 2**30, row
+  assert row["fits"] and row["host_bytes"] <= 9 * 2**30, row
   # Each pass reads every layer once and one twice (the forward the last, the backward layer 0,
   # where their loops end); one write per pair of layers.
   runs = row["nvme_callbacks_per_step"]
@@ -313,7 +318,9 @@ def test_a_checkpoint_of_the_stack_and_the_state_resumes_bit_for_bit(stack_dir, 
   cfg, params = decoder(2, jnp.bfloat16)
   loss = lambda p, t: streamed_loss_fn(cfg, p, t)  # noqa: E731
   tx = oo.offload(make(), master_dtype=jnp.float32, min_size=256)
-  params = dict(params, layers=oo.write_nvme_stack(stack_dir, params["layers"]))
+  params = dict(
+    params, layers=jax.device_put(oo.write_nvme_stack(stack_dir, params["layers"]), ON_DEVICE)
+  )
   state = tx.init(params)
   step = jax.jit(oo.value_and_update(loss, tx))
   for s in range(1):
@@ -329,9 +336,9 @@ def test_a_checkpoint_of_the_stack_and_the_state_resumes_bit_for_bit(stack_dir, 
   want = dict(params, layers=oo.read_nvme_stack(params["layers"]))
   assert_bits_equal(oo.read_nvme_stack(copy), stack_at_1)
 
-  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack_at_1)
   oo.close_nvme_stack(copy)
-  resumed = dict(rest_at_1, layers=oo.open_nvme_stack(tmp_path / "ckpt_stack", like))
+  # Reopened with the copy's leaves as `like`: placed as they are (as the source's, by the copy).
+  resumed = dict(rest_at_1, layers=oo.open_nvme_stack(tmp_path / "ckpt_stack", copy))
   tx = oo.offload(make(), master_dtype=jnp.float32, min_size=256)
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
     restored = mngr.restore(
@@ -342,5 +349,6 @@ def test_a_checkpoint_of_the_stack_and_the_state_resumes_bit_for_bit(stack_dir, 
   for s in range(1, 3):
     _, resumed, state = step(resumed, state, tokens(s, 0, 1))
   assert_bits_equal(dict(resumed, layers=oo.read_nvme_stack(resumed["layers"])), want)
+  assert step._cache_size() == 1
   with pytest.raises(ValueError, match="leaves of one stack directory"):
     oo.copy_nvme_stack({"a": resumed["layers"]["wq"], "b": jnp.ones(3)}, tmp_path / "x")

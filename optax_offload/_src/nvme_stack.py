@@ -307,17 +307,20 @@ def write_nvme_stack(
 
 
 def _placement(arrays: Sequence[Any]) -> Any:
-  """Where the leaves' generations go: replicated on the mesh of the arrays the stack was written
-  from (or that `like` describes), where a step over params on that mesh returns them; else on the
-  one device, or uncommitted on a machine of several (so that a jitted function over a mesh takes
-  them). A step that trains the stack then finds its first program on its second call."""
+  """Where the leaves' generations go, so that a step that trains the stack returns them placed
+  as they came (else its second call compiles again), where no other use can clash with it:
+  replicated on the mesh of the arrays the stack was written from (or that `like` describes) when
+  that mesh spans every device, else on the one device of a machine of one; else uncommitted (None),
+  which a jitted function over any mesh takes."""
+  devices = jax.devices()
   for a in arrays:
     sharding = getattr(a, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
-      return jax.sharding.NamedSharding(
-        sharding.mesh, jax.sharding.PartitionSpec(), memory_kind="device"
-      )
-  devices = jax.devices()
+      if sharding.mesh.size == len(devices):
+        return jax.sharding.NamedSharding(
+          sharding.mesh, jax.sharding.PartitionSpec(), memory_kind="device"
+        )
+      return None
   return devices[0] if len(devices) == 1 else None
 
 
@@ -383,7 +386,9 @@ def open_nvme_stack(
       groups = _groups(paths, [s[1:] for s in full], dtypes, n)
       store = _store(pathlib.Path(key), groups, options, create=False)
       opened = _OPEN[key] = _Opened(store, paths, n, doc.get("uid", ""))
-  placement = _placement([a.generation if is_leaf(a) else a for _, a in flat])
+  # Leaves given as `like` pass their generations' placement on, where committed.
+  placed = [a.generation for _, a in flat if is_leaf(a) and getattr(a.generation, "committed", 0)]
+  placement = placed[0].sharding if placed else _placement([a for _, a in flat])
   return _leaves(key, treedef, full, dtypes, opened, placement)
 
 
@@ -457,8 +462,13 @@ def copy_nvme_stack(
   leaves, treedef = jax.tree.flatten(stack, is_leaf=is_leaf)
   if not leaves or not all(map(is_leaf, leaves)) or len({x.directory for x in leaves}) != 1:
     raise ValueError(
-      "copy_nvme_stack: give the NvmeStackLeaf leaves of one stack directory (as "
-      "write_nvme_stack or a training step returns them), and copy others on their own."
+      "copy_nvme_stack: give the NvmeStackLeaf leaves of one stack directory (as a training step "
+      "or open_nvme_stack returns them), and copy the leaves of other directories on their own."
+    )
+  if len({int(np.asarray(x.generation)) for x in leaves}) != 1:
+    raise ValueError(
+      "copy_nvme_stack: the leaves name different generations of their stack; give leaves of one "
+      "step (as a training step returns them)."
     )
   opened = _opened(leaves[0].directory, leaves[0].uid)
   gen, n = int(np.asarray(leaves[0].generation)), opened.num_layers
@@ -468,7 +478,11 @@ def copy_nvme_stack(
     arrays = opened.fetch(i, gen, [(j, gen) for j in range(i + 1, min(i + 3, n))])
     return treedef.unflatten([arrays[j] for j in members])
 
-  return write_nvme_stack(directory, layer, num_layers=n, options=options)
+  copy = write_nvme_stack(directory, layer, num_layers=n, options=options)
+  source = leaves[0].generation
+  if getattr(source, "committed", False):  # placed as the source's are
+    copy = jax.device_put(copy, source.sharding)
+  return copy
 
 
 def host_stand_ins(values: Sequence[Any]) -> list[Any]:
