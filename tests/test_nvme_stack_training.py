@@ -105,10 +105,21 @@ def test_adam_with_its_state_on_nvme_too_equals_the_stack_in_host_memory(
     window=window,
   )
   # init makes the state a row slice at a time: it reads each slice's layers, never a matrix whole.
-  reads = []
-  read_rows = nvme_stack.read_rows
+  reads, fetches = [], []
+  read_rows, fetch = nvme_stack.read_rows, nvme_stack._Opened.fetch
+
+  def counted_rows(x, a, b, cache):  # init's reads, and the layers they fetch
+    reads.append((x.path, a, b))
+    before = len(fetches)
+    out = read_rows(x, a, b, cache)
+    fetches[before:] = [("init", i) for _, i in fetches[before:]]
+    return out
+
+  monkeypatch.setattr(nvme_stack, "read_rows", counted_rows)
   monkeypatch.setattr(
-    nvme_stack, "read_rows", lambda x, a, b: reads.append((x.path, a, b)) or read_rows(x, a, b)
+    nvme_stack._Opened,
+    "fetch",
+    lambda self, i, g, then: fetches.append(("step", i)) or fetch(self, i, g, then),
   )
   got, state, _, _ = train_on_nvme(
     stack_dir,
@@ -123,6 +134,8 @@ def test_adam_with_its_state_on_nvme_too_equals_the_stack_in_host_memory(
     window_bytes=window,
   )
   assert_bits_equal(got, want)
+  # init read each layer once: for the 7 sliced leaves, the two norms' rows kept for their groups.
+  assert [i for what, i in fetches if what == "init"] == [0, 1, 2, 3, 4], fetches
   sliced = {p for p, a, b in reads if a is not None}
   assert len(sliced) == 7 and all(b - a <= 2 for _, a, b in reads if a is not None), reads
   # The norms' scales (5 x 64 each) are whole in a group of their own.

@@ -503,17 +503,51 @@ def host_stand_ins(values: Sequence[Any]) -> list[Any]:
   ]
 
 
-def read_rows(leaf: NvmeStackLeaf, start: int | None = None, stop: int | None = None) -> np.ndarray:
+def read_rows(
+  leaf: NvmeStackLeaf,
+  start: int | None = None,
+  stop: int | None = None,
+  cache: dict[Any, list[np.ndarray]] | None = None,
+) -> np.ndarray:
   """Layers ``start:stop`` of one leaf (all by default), read a layer at a time (host memory: the
-  rows, and one layer of the directory's other leaves while it is read)."""
+  rows, and the layers of the directory's leaves being read).
+
+  `cache`: layers read before, kept for reads of the other leaves' rows: the `CACHED_LAYERS` layers
+  read last (every leaf of the directory's layer), and the rows of leaves of at most
+  `SMALL_ROW_BYTES` a layer (a norm's scale) of every layer read. A caller that reads the leaves'
+  row slices in row order, then the small leaves whole, reads each layer once.
+  """
   opened = _opened(leaf.directory, leaf.uid)
   gen, j = int(np.asarray(leaf.generation)), opened.paths.index(leaf.path)
   layers = range(opened.num_layers)[slice(start, stop)]
   out = np.empty((len(layers), *leaf.shape[1:]), leaf.dtype)
+  small = None if cache is None else cache.setdefault(("small", leaf.directory, gen), {})
   for r, i in enumerate(layers):
-    ahead = [(k, gen) for k in range(i + 1, min(i + 3, layers.stop))]
-    out[r] = opened.fetch(i, gen, ahead)[j]
+    if small is not None and (i, j) in small:
+      out[r] = small[(i, j)]
+      continue
+    key = (leaf.directory, gen, i)
+    arrays = None if cache is None else cache.get(key)
+    if arrays is None:
+      ahead = [(k, gen) for k in range(i + 1, min(i + 3, layers.stop))]
+      arrays = opened.fetch(i, gen, ahead)
+      if cache is not None:
+        cache[key] = arrays
+        small.update(
+          {(i, k): np.array(a) for k, a in enumerate(arrays) if a.nbytes <= SMALL_ROW_BYTES}
+        )
+        layers_kept = [k for k in cache if k[0] != "small"]
+        for old in layers_kept[: max(0, len(layers_kept) - CACHED_LAYERS)]:
+          del cache[old]  # the oldest reads
+    out[r] = arrays[j]
   return out
+
+
+CACHED_LAYERS = 2
+"""Layers `read_rows` keeps in its cache: `tx.init` reads a stack's rows a layer or two at a time
+(the NVMe tier's row slices), every leaf's in turn."""
+SMALL_ROW_BYTES = 1 << 20
+"""A leaf whose layer is at most this many bytes keeps every layer's row in `read_rows`' cache."""
 
 
 def read_nvme_stack(stack: Any) -> Any:

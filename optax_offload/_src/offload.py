@@ -629,7 +629,17 @@ def _init_nvme(
   """
   layout, tier = setup.layout, setup.nvme
   rows = rows or {}
-  for k in tier.groups:
+  groups = list(tier.groups)
+  if rows:
+    # Row slices in row order (whole leaves last): the stack's rows read for every leaf in turn
+    # find their layer read for the leaf before (`nvme_stack.read_rows`' cache). A generation's
+    # groups may be written in any order.
+    def first_row(k):
+      pieces = [p for p in setup.plan.units[k] if p.leaf in rows]
+      return min(((p.whole, p.start or 0) for p in pieces), default=(True, 0))
+
+    groups.sort(key=first_row)
+  for k in groups:
     pieces = [p for p in setup.plan.units[k] if plan_lib.Tier.NVME in setup.array_tiers[p.leaf]]
     group = [p.leaf for p in pieces]
     read = {p.leaf: rows[p.leaf](p.start, p.stop) for p in pieces if p.leaf in rows}
@@ -677,12 +687,13 @@ def _stack_values(given: list[Any], values: list[Any], setup: setup_lib.Setup):
   """(`values` with the weights of the stack leaves on NVMe whose state needs them whole, read into
   pinned host memory; per stack leaf whose state is all in the NVMe tier, ``rows(start, stop)``:
   `_init_nvme` reads each group's rows only, so the stack is never whole in RAM)."""
-  values, rows = list(values), {}
+  values, rows, cache = list(values), {}, {}
   for i, v in enumerate(given):
     if not nvme_stack.is_leaf(v):
       continue
     if all(t is plan_lib.Tier.NVME for t in setup.array_tiers[i]):
-      rows[i] = lambda start, stop, v=v: nvme_stack.read_rows(v, start, stop)
+      # One cache for every leaf: `_init_nvme` reads the groups' rows in row order.
+      rows[i] = lambda start, stop, v=v: nvme_stack.read_rows(v, start, stop, cache)
     else:
       values[i] = jax.device_put(nvme_stack.read_rows(v), values[i].sharding)
   return values, rows
