@@ -658,9 +658,12 @@ class Writes:
   directory, for the leaves of the trained stack (`trained`). The token is that int32 vector
   (one generation per directory), passed through every callback.
 
-  Raises (at construction):
+  Raises (at construction where the stack is open, else when ``begin`` runs: a program compiled
+  from stand-ins):
     ValueError: the leaves hold some but not all leaves of a stack directory (a layer is written
-      whole, every leaf of its store group), or the stack was written again or closed.
+      whole, every leaf of its store group).
+    RuntimeError: the stack was written again since the leaves were made, or is closed (at run
+      time).
   """
 
   def __init__(self, leaves: Sequence[NvmeStackLeaf], where: str):
