@@ -75,6 +75,11 @@ def model_program(args) -> None:
     f"plan for --host-memory {args.host_memory / GiB:.2f} GiB: state in host memory"
     f" {e.host_bytes / GiB:.2f} GiB (host_limit={e.host_bytes}), NVMe {e.nvme_bytes / GiB:.2f} GiB,"
     f" host in all {e.host_total_bytes / GiB:.2f} GiB"
+    + (
+      f"; the stack's weights on NVMe {e.nvme_weight_bytes / GiB:.2f} GiB"
+      if e.nvme_weight_bytes
+      else ""
+    )
   )
   m = c.memory
   print(
@@ -112,6 +117,13 @@ def main() -> None:
   )
   parser.add_argument("--window-fraction", type=float, default=0.1, help="--model: window / card")
   parser.add_argument("--nvme-dir", default=None, help="--model: NVMe tier directory (temp)")
+  parser.add_argument(
+    "--weights-on",
+    default="device",
+    choices=("device", "nvme"),
+    help="--model: nvme puts the stack's weights on NVMe, trained there (default: in pinned "
+    "host memory, as the params are placed)",
+  )
   args = parser.parse_args()
   if args.model is not None:
     return model_program(args)

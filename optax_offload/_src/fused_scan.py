@@ -123,12 +123,8 @@ def _rows(a: jax.Array, i, n: int) -> jax.Array:
 def _weights(leaves, i, tok, where="update_backward"):
   """Layer ``i`` of each weight leaf as a ``[1, ...]`` row on the device, and the read token: a
   leaf on NVMe (a stack the step trains) is read by `nvme_stack.read_layer`, chained by `tok`."""
-  disk = [k for k, a in enumerate(leaves) if nvme_stack.is_leaf(a)]
-  out = [None if k in disk else _row(a, i) for k, a in enumerate(leaves)]
-  if disk:
-    got, tok = nvme_stack.read_layer([leaves[k] for k in disk], i, where, tok)
-    for k, a in zip(disk, got):
-      out[k] = a[None]
+  out = [None if nvme_stack.is_leaf(a) else _row(a, i) for a in leaves]
+  tok = layers_lib.read_disk_leaves(leaves, out, i, where, tok, row=True)
   return tuple(out), tok
 
 

@@ -129,6 +129,10 @@ class _Opened:
   """The layer read last, by (layer, generation): the passes read a layer twice in a row where
   they turn (the forward's last layer, the backward's first), which the store would read again."""
 
+  def read(self, i: int, generation: int, stop: int) -> list[np.ndarray]:
+    """Layer `i`, the layers after it up to `stop` read ahead (the store's ``prefetch_depth``)."""
+    return self.fetch(i, generation, [(j, generation) for j in range(i + 1, stop)])
+
   def fetch(self, i: int, generation: int, then: list[tuple[int, int]]) -> list[np.ndarray]:
     last = self.last
     if last is not None and last[0] == (i, generation):
@@ -475,7 +479,7 @@ def copy_nvme_stack(
   members = [opened.paths.index(x.path) for x in leaves]
 
   def layer(i):
-    arrays = opened.fetch(i, gen, [(j, gen) for j in range(i + 1, min(i + 3, n))])
+    arrays = opened.read(i, gen, n)
     return treedef.unflatten([arrays[j] for j in members])
 
   copy = write_nvme_stack(directory, layer, num_layers=n, options=options)
@@ -529,8 +533,7 @@ def read_rows(
     key = (leaf.directory, gen, i)
     arrays = None if cache is None else cache.get(key)
     if arrays is None:
-      ahead = [(k, gen) for k in range(i + 1, min(i + 3, layers.stop))]
-      arrays = opened.fetch(i, gen, ahead)
+      arrays = opened.read(i, gen, layers.stop)
       if cache is not None:
         cache[key] = arrays
         small.update(
@@ -565,7 +568,7 @@ def read_nvme_stack(stack: Any) -> Any:
     opened = _opened(key, leaves[ks[0]].uid)
     members = [opened.paths.index(leaves[k].path) for k in ks]
     for i in range(opened.num_layers):
-      arrays = opened.fetch(i, gen, [(j, gen) for j in range(i + 1, opened.num_layers)])
+      arrays = opened.read(i, gen, opened.num_layers)
       for k, j in zip(ks, members):
         rows[k].append(arrays[j])
   out = [np.stack(rows[k]) if k in rows else x for k, x in enumerate(leaves)]
@@ -672,6 +675,7 @@ class Writes:
     for k, x in enumerate(self.leaves):
       self.dirs.setdefault(x.directory, []).append(k)
     self.where = where
+    self.order: dict[str, list[int]] = {}  # per directory, its leaves in the store's order
     for key, ks in self.dirs.items():
       with _LOCK:
         opened = _OPEN.get(key)
@@ -705,7 +709,7 @@ class Writes:
       children = []
       for key, g in zip(keys, generations):
         opened = _opened(key, self.leaves[self.dirs[key][0]].uid)
-        self._check(key, opened)
+        self.order[key] = self._check(key, opened)  # (for the step's puts)
         children.append(opened.store.new_generation(int(g)))
       return np.asarray(children, np.int32)
 
@@ -716,9 +720,8 @@ class Writes:
     layers, in the leaves' order) into the token's generations; returns the token."""
 
     def put(token, start, *blocks):
-      for d, key in enumerate(self.dirs):
-        opened = _opened(key, self.leaves[self.dirs[key][0]].uid)
-        order = self._check(key, opened)
+      for d, (key, order) in enumerate(self.order.items()):  # as this step's begin found them
+        opened = _opened(key, self.leaves[order[0]].uid)
         for r in range(blocks[0].shape[0]):
           opened.store.put(int(start) + r, int(token[d]), [np.asarray(blocks[k][r]) for k in order])
       return np.asarray(token)

@@ -90,12 +90,20 @@ def _fetch(stack, i, where: str = "forward", token=None):
     else jax.device_put(lax.dynamic_index_in_dim(a, i, keepdims=False), DEVICE)
     for a in leaves
   ]
+  token = read_disk_leaves(leaves, out, i, where, token)
+  return jax.tree.unflatten(treedef, out), token
+
+
+def read_disk_leaves(leaves, out, i, where: str, token, row: bool = False):
+  """Puts layer `i` of the NVMe leaves among `leaves` at their positions in `out` (with `row`, as
+  ``[1, ...]`` rows), read by one callback per stack directory (`nvme_stack.read_layer`; `where`
+  and `token` as `_fetch`'s); returns the token."""
   disk = [k for k, a in enumerate(leaves) if nvme_stack.is_leaf(a)]
   if disk:
     got, token = nvme_stack.read_layer([leaves[k] for k in disk], i, where, token)
     for k, a in zip(disk, got):
-      out[k] = a
-  return jax.tree.unflatten(treedef, out), token
+      out[k] = a[None] if row else a
+  return token
 
 
 def _trainable(stack) -> list[Any]:
@@ -176,12 +184,15 @@ def _explicit(sharding, spec=lambda spec: spec):
 
 
 def _empty(like, dtype=None):
-  """An uninitialised buffer shaped like `like` (in `dtype`, default its own) in its memory, as
-  `lax.scan` makes its stacked outputs.
+  """An uninitialised buffer shaped like `like` (in `dtype`, default its own) in its memory (a
+  stack leaf on NVMe: pinned host memory), as `lax.scan` makes its stacked outputs.
 
   XLA:GPU allocates a host one in host memory; ``jnp.zeros`` instead builds the zeros on the
   device and copies them (measured: a device temporary the size of the stack).
   """
+  if nvme_stack.is_leaf(like):  # a stack leaf on NVMe: its buffers live in pinned host memory
+    e = lax.empty(like.shape, like.dtype if dtype is None else dtype)
+    return jax.device_put(e, HOST)
   placed = _explicit(jax.typeof(like).sharding)  # as `like` (in device memory: moved below)
   dtype = jnp.result_type(like) if dtype is None else dtype
   e = lax.empty(jnp.shape(like), dtype, out_sharding=placed)

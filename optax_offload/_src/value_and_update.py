@@ -247,7 +247,7 @@ class _Step:
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=nvme_stack.is_leaf)
     paths = [layout_lib.leaf_path(p) for p, _ in flat]
     leaves = [v for _, v in flat]
-    avals = [jax.ShapeDtypeStruct(_shape(v), _dtype(v)) for v in leaves]
+    avals = [jax.ShapeDtypeStruct(jnp.shape(v), _dtype(v)) for v in leaves]
     self.on_disk = {i for i, v in enumerate(leaves) if nvme_stack.is_leaf(v)}
     self.loss_treedef = jax.tree.structure(params)
     self.diff_leaves = [v.generation if i in self.on_disk else v for i, v in enumerate(leaves)]
@@ -529,7 +529,7 @@ class _Step:
   def avals(self) -> list[jax.ShapeDtypeStruct]:
     """The params' shapes and dtypes (as planned)."""
     return [
-      jax.ShapeDtypeStruct(_shape(x), dtype) for x, dtype in zip(self.leaves, self.setup.dtypes)
+      jax.ShapeDtypeStruct(jnp.shape(x), dtype) for x, dtype in zip(self.leaves, self.setup.dtypes)
     ]
 
   def check_rules(self, stack_leaves) -> None:
@@ -598,10 +598,10 @@ class _Step:
     return tuple(_dtype(self.leaves[i]) for i in self.stacks[s][0])
 
   def empty_acc(self, s):
-    return tuple(_empty(self.leaves[i], self.acc_dtype) for i in self.stacks[s][0])
+    return tuple(scan_lib._empty(self.leaves[i], self.acc_dtype) for i in self.stacks[s][0])
 
   def empty_grads(self, s):
-    return tuple(_empty(self.leaves[i]) for i in self.stacks[s][0])
+    return tuple(scan_lib._empty(self.leaves[i]) for i in self.stacks[s][0])
 
   def io(self, s, n, *, acc=None, parts=False, out=None, norm=False, token=None, written=None):
     stack_leaves = self.stacks[s][0]
@@ -910,19 +910,9 @@ def _from_carrier(tree, like):
   )
 
 
-def _shape(x) -> tuple[int, ...]:
-  return x.shape if nvme_stack.is_leaf(x) else jnp.shape(x)
-
-
 def _dtype(x) -> Any:
+  """A param's dtype (a stack leaf on NVMe has no array for `jnp.result_type`)."""
   return x.dtype if nvme_stack.is_leaf(x) else jnp.result_type(x)
-
-
-def _empty(like, dtype=None):
-  """`offloaded_scan._empty`; for a stack leaf on NVMe, in pinned host memory."""
-  if nvme_stack.is_leaf(like):
-    return jax.device_put(lax.empty(like.shape, like.dtype if dtype is None else dtype), _HOST)
-  return scan_lib._empty(like, dtype)
 
 
 def _rest_on_device(g, rest):
