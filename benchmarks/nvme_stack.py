@@ -10,8 +10,9 @@ from the page cache, read back).
 ``train``: the same MLP stack trained whole (`oo.value_and_update`, AdamW with an fp32 master
 copy in pinned host memory): the stack's bf16 weights on NVMe (each block's new weights written to
 the store's next generation in the backward pass), against the same stack in pinned host memory
-in the same process. Reports the ratio of their step times and the store's bytes read and written
-per step, beside the disk's own read and write rates.
+in the same process. Reports the ratio of their step times, the store's layer fetches and bytes read
+and written per step (a fetch of a layer still in the write-behind buffer reads nothing, so the
+bytes read move with the disk's timing), beside the disk's own read and write rates.
 
 ``gpu``: compiles the LoRA step of a Llama-shaped decoder (`--model`, the base's weights in bf16
 on NVMe, rank-16 adapters on wq and wv on the device, batch `--batch` x `--seq`) for `--target`
@@ -192,18 +193,19 @@ def train(args) -> dict:
           (
             (after["bytes_read"] - before["bytes_read"]) / args.steps,
             (after["bytes_written"] - before["bytes_written"]) / args.steps,
+            (after["fetches"] - before["fetches"]) / args.steps,
           )
         )
   oo.close_nvme_stack(runs["nvme"]["layers"])
   disk, out = _compared(n, layer_bytes, times, directory)
   host_s, nvme_s = out["step_s_host"], out["step_s_nvme"]
-  read = statistics.median(r for r, _ in moved[1:])
-  written = statistics.median(w for _, w in moved[1:])
+  read, written, fetches = (statistics.median(m[i] for m in moved[1:]) for i in range(3))
   disk_s = read / disk.nvme_read + written / disk.nvme_write
   out = {
     **out,
     "bytes_read_per_step": read,
     "bytes_written_per_step": written,
+    "layer_fetches_per_step": fetches,
     "disk_read_rate": disk.nvme_read,
     "disk_write_rate": disk.nvme_write,
     "disk_s_at_measured_rates": disk_s,
@@ -212,8 +214,8 @@ def train(args) -> dict:
     f"{n} layers of {oo.format_bytes(layer_bytes)} ({oo.format_bytes(n * layer_bytes)}), "
     f"{args.tokens} tokens x d {d}, AdamW with an fp32 master copy in host memory: training "
     f"step with the stack's weights in pinned host memory {host_s:.3f} s, on NVMe {nvme_s:.3f} s "
-    f"(x{nvme_s / host_s:.2f}); the store read {oo.format_bytes(read)} and wrote "
-    f"{oo.format_bytes(written)} a step; this disk reads {disk.nvme_read / 1e9:.2f} GB/s and "
+    f"(x{nvme_s / host_s:.2f}); the store read {oo.format_bytes(read)} for {fetches:g} layer "
+    f"fetches and wrote {oo.format_bytes(written)} a step; this disk reads {disk.nvme_read / 1e9:.2f} GB/s and "
     f"writes {disk.nvme_write / 1e9:.2f} GB/s (oo.measure_bandwidths): {disk_s:.3f} s for those "
     "bytes alone"
   )

@@ -309,15 +309,19 @@ def test_the_modelled_step_of_a_1b_stack_trained_on_nvme(tmp_path):
 
 
 def test_the_training_benchmark_runs_at_small_sizes(tmp_path):
-  # `benchmarks/nvme_stack.py train` in miniature: 4 layers; a step reads 2 x 4 - 2 layers (the
-  # layer where the passes turn is read once) and writes 4.
+  # `benchmarks/nvme_stack.py train` in miniature: 4 layers; a step fetches 2 x 4 - 1 layers from
+  # the store (the layer where the passes turn once) and writes 4. The bytes it reads depend on
+  # the disk's timing: a layer still in the write-behind buffer is not read again (CI once read
+  # 5.5 layers a step, this machine 6), and the read-ahead of the next round's first 2 layers
+  # can fall either side of a round's end.
   from benchmarks import nvme_stack as bench
 
   argv = ["train", "--stack-bytes", "1MiB", "--d", "128", "--tokens", "8"]
   out = bench.main([*argv, "--repeats", "1", "--steps", "2", "--dir", str(tmp_path)])
   layer = out["layer_bytes"]
   assert out["layers"] == 4 and layer == 2 * 128 * 512 * 2
-  assert out["bytes_read_per_step"] == 6 * layer and out["bytes_written_per_step"] == 4 * layer
+  assert out["layer_fetches_per_step"] == 7 and out["bytes_written_per_step"] == 4 * layer
+  assert 0 < out["bytes_read_per_step"] <= (7 + 2 / 2) * layer
   assert out["step_s_nvme"] > 0 and out["step_s_host"] > 0
 
 
