@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -237,6 +238,14 @@ def test_a_given_bandwidth_wins_over_a_measured_one(capsys):
     (["plan", "13B", "--host-mem", "48GiB"], "unrecognized arguments: --host-mem"),
     (["plan", "13B", "--tokens-per-step", "65536"], "--tokens-per-step needs --target"),
     (["plan", "13B", "--target", "a100", "--tokens-per-step", "8"], "Unknown --target 'a100'"),
+    # A size or bandwidth without a unit is refused (48 bytes of host memory was planned), as
+    # are a negative one, a bare count below a thousand (13 for 13B), and no tokens a step.
+    (["plan", "13B", "--host-memory", "48"], "--host-memory 48: give a unit, e.g. 48GiB"),
+    (["plan", "13B", "--device-memory", "24"], "--device-memory 24: give a unit"),
+    (["plan", "13B", "--link-bandwidth", "25"], "25GB (10**9 bytes per second)"),
+    (["plan", "13B", "--host-memory=-48GiB"], "a size must be positive"),
+    (["plan", "13"], "write 13B for 13 billion"),
+    (["plan", "13B", "--target", "rtx4090_24gb", "--tokens-per-step", "-5"], "positive count"),
     ([], "required: COMMAND"),
   ],
 )
@@ -245,6 +254,40 @@ def test_bad_input_exits_2_with_a_message(argv, message, capsys):
     cli.main(argv)
   assert exc.value.code == 2
   assert message in capsys.readouterr().err
+
+
+def test_the_helps_examples_fit(monkeypatch, capsys):
+  # `plan --help`'s examples, on the machine they name (a 2 TB drive), fit as printed: the 13B
+  # ones with the window a Llama-2-13B layer needs (13B's once asked for a 24GB card and the
+  # default window, which offload refuses for those shapes).
+  from optax_offload._src import estimate as estimate_lib
+
+  monkeypatch.setattr(estimate_lib, "free_disk", lambda path: 2 * 10**12)
+  lines = cli._EPILOG.split("examples:")[1].split("\n\n")[0].replace("\\\n", " ").splitlines()
+  commands = [line.split("optax_offload ")[1].split() for line in lines if "python -m" in line]
+  assert len(commands) == 4
+  for argv in commands:
+    if "--measure" in argv:  # (times this machine: test_measure_uses_this_machine)
+      continue
+    assert cli.main(argv) == 0, (argv, capsys.readouterr().out)
+    if argv[1] == "13B":
+      assert "--window-bytes" in argv and float(argv[argv.index("--window-bytes") + 1][:-3]) >= 2.37
+
+
+def test_the_device_advice_names_the_card_that_fits():
+  # With --device-memory the card's, the advice names a card whose share JAX takes (75%) holds
+  # the suggested device bytes; given as that card with the window it names, the device fits.
+  e = oo.estimate(
+    "7B", param_dtype="bf16", master_dtype="fp32", device_memory="24GiB", memory_fraction=0.75,
+    host_limit="1TB",
+  )  # fmt: skip
+  (short,) = e.shortfalls
+  card = re.search(r"a card of ([0-9.]+ GiB)", short.advice).group(1).replace(" ", "")
+  again = oo.estimate(
+    "7B", param_dtype="bf16", master_dtype="fp32", device_memory=card, memory_fraction=0.75,
+    host_limit="1TB", window_bytes="1GiB",
+  )  # fmt: skip
+  assert again.fits, again.shortfalls
 
 
 def test_weights_on_host_keeps_a_few_layers_on_the_device(capsys):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -24,22 +25,27 @@ from optax_offload._src.units import parse_bytes
 
 _EPILOG = """\
 examples:
-  # a 24 GB GPU, 64 GB of RAM (48 GiB of it for training), a 2 TB NVMe drive mounted at /nvme:
-  python -m optax_offload plan 13B --param-dtype bf16 --master-dtype fp32 \\
-      --weights-on host --layers 40 --device-memory 24GB --host-memory 48GiB --nvme-dir /nvme/run1
-  python -m optax_offload plan 7B --param-dtype bf16 --master-dtype fp32 \\
-      --device-memory 32GiB --host-memory 96GiB --nvme-dir /nvme/run1
+  # a 24 GB GPU, 64 GB of RAM (48 GiB of it for training), a 2 TB NVMe drive mounted at /nvme
+  # (a Llama-2-13B layer's largest leaf needs a window of at least 2.37 GiB: docs/consumer.md):
+  python -m optax_offload plan 13B --param-dtype bf16 --master-dtype fp32 --weights-on host \\
+      --layers 40 --device-memory 24GiB --window-bytes 2.5GiB --host-memory 48GiB \\
+      --nvme-dir /nvme/run1
+  # 7B, 128 GB of RAM (96 GiB for training): the plan names the pinned-pool setting it needs
+  python -m optax_offload plan 7B --param-dtype bf16 --master-dtype fp32 --weights-on host \\
+      --layers 32 --device-memory 24GiB --host-memory 96GiB --nvme-dir /nvme/run1
   python -m optax_offload plan 1.3e9 --optimizer lion --measure --nvme-dir /nvme/run1
   python -m optax_offload plan 13B --param-dtype bf16 --master-dtype fp32 --moment-dtype bf16 \\
-      --device-memory 24GiB --weights-on host --layers 40 --host-memory 48GiB --nvme-size 2TB
+      --device-memory 24GiB --window-bytes 2.5GiB --weights-on host --layers 40 \\
+      --host-memory 48GiB --nvme-size 2TB
 
 --host-memory is all the host RAM the run may pin (weights, gradients, optimizer state, NVMe
 buffers): leave the OS and your data loader the rest. --device-memory is the card's memory; JAX
 takes 75% of it (XLA_PYTHON_CLIENT_MEM_FRACTION changes that) and the plan checks that share.
 
-sizes take a unit: 24GiB = 24 * 2**30 bytes, 24GB = 24 * 10**9 bytes. Bandwidths are bytes per
-second (25GB = 25 * 10**9 B/s). A bare parameter count is one aggregate: every parameter in a leaf
-of at least min_size elements; the Python API (optax_offload.estimate) takes shapes or a Flax model.
+sizes take a unit: 24GiB (or 24G, as in free -g) = 24 * 2**30 bytes, 24GB = 24 * 10**9 bytes; a
+number without one is refused. Bandwidths are bytes per second (25GB = 25 * 10**9 B/s). A bare
+parameter count is one aggregate: every parameter in a leaf of at least min_size elements; the
+Python API (optax_offload.estimate) takes shapes or a Flax model.
 """
 
 
@@ -109,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
   opt(
     "--device-memory",
     metavar="SIZE",
-    help="the GPU card's memory, e.g. 24GB for a 24 GB card; the plan checks the share JAX may "
+    help="the GPU card's memory, e.g. 24GiB for a 24 GB card (24GB is 10**9 bytes each: 22.35 "
+    "GiB); the plan checks the share JAX may "
     "take: XLA_PYTHON_CLIENT_MEM_FRACTION if set, else JAX's default 75%%; unchecked if omitted",
   )
   opt(
@@ -279,12 +286,51 @@ def _bandwidths(args: argparse.Namespace) -> measure.Bandwidths:
   return dataclasses.replace(measured, **given, measured=kept)
 
 
+_SIZES = (
+  "device_memory", "host_memory", "host_limit", "stack_on_device", "nvme_size", "window_bytes",
+  "activations", "measure_bytes",
+)  # fmt: skip
+_BANDWIDTHS = (
+  "link_bandwidth", "nvme_read_bandwidth", "nvme_write_bandwidth", "host_memory_bandwidth"
+)  # fmt: skip
+_BARE_NUMBER = re.compile(r"^\s*[0-9]*\.?[0-9]+([eE][+-]?[0-9]+)?\s*$")
+
+
+def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Refuses what a user most likely mistyped: a size or bandwidth without a unit (bytes, where
+  24 meant 24GiB), a negative one, a parameter count below a thousand without a suffix (13 for
+  13B), and a token count that is not positive."""
+  for name in (*_SIZES, *_BANDWIDTHS):
+    value = getattr(args, name, None)
+    flag = "--" + name.replace("_", "-")
+    if not isinstance(value, str):
+      continue
+    if value.strip().startswith("-"):
+      parser.error(f"{flag} {value}: a size must be positive, e.g. 48GiB.")
+    if _BARE_NUMBER.match(value) and float(value) != 0:
+      per = " per second" if name in _BANDWIDTHS else ""
+      parser.error(
+        f"{flag} {value}: give a unit, e.g. {value.strip()}GiB (2**30 bytes{per}) or "
+        f"{value.strip()}GB (10**9 bytes{per})."
+      )
+  if _BARE_NUMBER.match(args.params) and float(args.params) < 1000:
+    parser.error(
+      f"params {args.params}: a bare number is a count of parameters; write {args.params.strip()}B "
+      f"for {args.params.strip()} billion, {args.params.strip()}M for millions."
+    )
+  if args.tokens_per_step is not None and args.tokens_per_step < 1:
+    parser.error(
+      f"--tokens-per-step must be a positive count of tokens, got {args.tokens_per_step}."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the command line; returns the exit status (0 fits, 1 does not fit, 2 bad arguments)."""
   parser = _parser()
   args = parser.parse_args(argv)
   if args.command != "plan":  # argparse rejects unknown commands; kept for new ones
     parser.error(f"unknown command {args.command!r}")
+  _check_numbers(parser, args)
   if args.accumulator_dtype is not None and args.accumulate < 2:
     parser.error(
       "--accumulator-dtype is the dtype of the accumulators of several micro-batches a step: give "

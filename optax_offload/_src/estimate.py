@@ -300,11 +300,20 @@ class Estimate:
       if self.activation_bytes
       else ("params, grads and on-device state")
     )
+    needed = fixed + (1 << 30)
+    if self.memory_fraction is None:
+      device = f"more than that plus a window (e.g. {format_bytes(needed)} with --window-bytes 1GiB)"
+    else:  # (the card that gives JAX that share, rounded up to the 0.01 GiB shown)
+      card = math.ceil(needed / self.memory_fraction / (2**30 / 100)) * 2**30 // 100 + 1
+      device = (
+        f"room for that plus a window (e.g. {format_bytes(needed)} with --window-bytes 1GiB: a "
+        f"card of {format_bytes(card)} at the "
+        f"{self.memory_fraction:g} JAX takes, XLA_PYTHON_CLIENT_MEM_FRACTION)"
+      )
     return (
       f"{what} alone take {format_bytes(fixed)}: stream the layer stack's weights and grads from "
-      "host memory too (oo.offloaded_scan; --weights-on host --layers N), use a device with more "
-      f"than that plus a window (e.g. {format_bytes(fixed + (1 << 30))} with --window-bytes 1GiB) "
-      "(--device-memory), shard the params over more devices, or train fewer parameters."
+      "host memory too (oo.offloaded_scan; --weights-on host --layers N), use a device with "
+      f"{device} (--device-memory), shard the params over more devices, or train fewer parameters."
     )
 
   @property
