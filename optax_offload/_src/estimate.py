@@ -46,6 +46,7 @@ from optax_offload._src.plan import NVME_DISK_FACTOR
 from optax_offload._src.units import check_options
 from optax_offload._src.units import dtype_name
 from optax_offload._src.units import format_bytes
+from optax_offload._src.units import format_bytes_up
 from optax_offload._src.units import parse_accumulator_dtype
 from optax_offload._src.units import parse_bytes
 from optax_offload._src.units import parse_count
@@ -117,6 +118,9 @@ class Estimate:
     nvme_bytes: offloaded state on NVMe (one generation).
     nvme_weight_bytes: with ``weights_on="nvme"``, the stack's weights on NVMe (one generation).
     weights_on_reason: with ``weights_on="nvme"``, why the planner put them there.
+    host_memory_with_weights_on_nvme: where the stack's weights do not fit in `host_memory` and
+      would not on NVMe either (whose buffers need host memory too), the host memory a plan with
+      them on NVMe needs (the planner moves them there itself from that budget on), else None.
     nvme_buffer_bytes: host RAM the NVMe tier's buffers take at most (groups read ahead, written
       behind and in use, and the write staging: `plan.nvme_buffer_bytes`).
     nvme_group_bytes: bytes of the largest NVMe store group (what one read or write moves).
@@ -182,6 +186,7 @@ class Estimate:
   stack_device_grad_bytes: int = 0
   nvme_weight_bytes: int = 0
   weights_on_reason: str | None = None
+  host_memory_with_weights_on_nvme: int | None = None
   leaves: tuple[plan_lib.LeafInfo, ...] | None = dataclasses.field(default=None, repr=False)
   plan: plan_lib.Plan | None = dataclasses.field(default=None, repr=False)
 
@@ -302,12 +307,14 @@ class Estimate:
     )
     needed = fixed + (1 << 30)
     if self.memory_fraction is None:
-      device = f"more than that plus a window (e.g. {format_bytes(needed)} with --window-bytes 1GiB)"
-    else:  # (the card that gives JAX that share, rounded up to the 0.01 GiB shown)
-      card = math.ceil(needed / self.memory_fraction / (2**30 / 100)) * 2**30 // 100 + 1
+      device = (
+        f"more than that plus a window (e.g. {format_bytes(needed)} with --window-bytes 1GiB)"
+      )
+    else:  # (the card that gives JAX that share)
+      card = math.ceil(needed / self.memory_fraction)
       device = (
         f"room for that plus a window (e.g. {format_bytes(needed)} with --window-bytes 1GiB: a "
-        f"card of {format_bytes(card)} at the "
+        f"card of {format_bytes_up(card)} at the "
         f"{self.memory_fraction:g} JAX takes, XLA_PYTHON_CLIENT_MEM_FRACTION)"
       )
     return (
@@ -746,6 +753,8 @@ def estimate(
         )
         if e_nvme.host_total_bytes <= host_memory:
           e = e_nvme
+        else:  # (the advice names both budgets)
+          e = dataclasses.replace(e, host_memory_with_weights_on_nvme=e_nvme.host_total_bytes)
     return dataclasses.replace(
       e,
       host_limit=host_limit,

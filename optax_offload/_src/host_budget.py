@@ -28,6 +28,7 @@ from optax_offload._src import plan as plan_lib
 from optax_offload._src.plan import FUSED_GRAD_LAYERS_ON_DEVICE
 from optax_offload._src.plan import FUSED_WEIGHT_LAYERS_ON_DEVICE
 from optax_offload._src.units import format_bytes
+from optax_offload._src.units import format_bytes_up
 
 if TYPE_CHECKING:  # only for annotations: estimate imports this module
   from optax_offload._src.estimate import Estimate
@@ -161,6 +162,15 @@ def host_memory_advice(e: Estimate) -> str:
       f"{' + '.join(parts)} must stay in host memory{why}: raise --host-memory to at least "
       f"{fmt(fixed + e.nvme_buffer_bytes)}"
     )
+    if e.host_memory_with_weights_on_nvme is not None:
+      advice = (
+        f"{' + '.join(parts)} must stay in host memory with the stack's weights there: raise "
+        f"--host-memory to at least {format_bytes_up(e.host_memory_with_weights_on_nvme)}, where "
+        "the plan "
+        "puts the stack's weights on NVMe itself (the NVMe buffers in host memory; the weights "
+        "read twice a step: oo.write_nvme_stack, oo.value_and_update), or to "
+        f"{fmt(fixed + e.nvme_buffer_bytes)} to keep them in RAM"
+      )
     if stack and not e.update_in_backward:
       advice += ", or update in the backward pass (--update-in-backward yes: no whole gradients)"
     elif e.accumulator_bytes:

@@ -199,6 +199,20 @@ def parse_bytes(value: int | str | None, name: str) -> int | None:
   return int(float(match.group(1)) * _UNITS[unit])
 
 
+def format_bytes_up(n: int) -> str:
+  """`format_bytes`, rounded up at the digits it shows: a size given back as shown is at least `n`
+  (for advice such as "at least 18.28 GiB").
+
+  Examples:
+    >>> format_bytes_up(3 * 2**30 + 1), format_bytes(3 * 2**30 + 1)
+    ('3.01 GiB', '3.00 GiB')
+  """
+  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{math.ceil(n * 100 / size) / 100:.2f} {unit}"
+  return f"{n} B"
+
+
 def format_bytes(n: int) -> str:
   """Formats a byte count with a binary unit.
 
