@@ -174,6 +174,16 @@ def test_what_cannot_be_trained_on_nvme_is_refused_and_the_stack_kept(stack_dir)
   with pytest.raises(ValueError, match="trained only in part"):
     step(oo.offload(optax.sgd(0.1)), two_scans)
 
+  # One directory applied by two stacks (the same leaves at two places in the params): both
+  # began a generation, one committed it, the other's puts failed, and the failed step's half
+  # update was the committed one (helper review /tmp/revB).
+  def twice(p, x):
+    x = oo.offloaded_scan(body, x, p["l1"])[0]
+    return jnp.sum(oo.offloaded_scan(body, x, p["l2"])[0] @ p["out"])
+
+  with pytest.raises(ValueError, match="is applied by two oo.offloaded_scan calls"):
+    step(oo.offload(optax.sgd(0.1)), twice, {"l1": on_nvme, "l2": on_nvme, "out": jnp.ones(4)})
+
   # A leaf on NVMe in the params that no stack of params brings to offloaded_scan.
   def mixed(p, x):
     frozen = oo.open_nvme_stack(stack_dir, layers)

@@ -469,8 +469,8 @@ class _Step:
     """Per stack with leaves on NVMe, the writes of its new weights (`nvme_stack.Writes`).
 
     Raises:
-      ValueError: a leaf on NVMe is not in a stack that reaches `offloaded_scan`, or a
-        directory's leaves are trained in part.
+      ValueError: a leaf on NVMe is not in a stack that reaches `offloaded_scan`, a directory's
+        leaves are trained in part, or by two stacks.
       NotImplementedError: with clipping, or params on several devices.
     """
     if not self.on_disk:
@@ -503,11 +503,24 @@ class _Step:
         f"{', '.join(sharded[:3])} are placed on several. Train on one device, or keep the "
         "stack in pinned host memory."
       )
-    return {
+    writes = {
       s: nvme_stack.Writes([self.leaves[i] for i in self.disk_leaves(s)], "value_and_update")
       for s in range(len(self.stacks))
       if self.disk_leaves(s)
     }
+    first: dict[str, int] = {}  # per directory, the first stack that writes it
+    for s, w in writes.items():
+      for directory in w.dirs:
+        t = first.setdefault(directory, s)
+        if t != s:  # (both would begin a generation of it: one commits, the other fails)
+          raise ValueError(
+            f"value_and_update: the layer stack on NVMe at {directory} is applied by two "
+            f"oo.offloaded_scan calls (params {self.paths[self.disk_leaves(t)[0]]} and "
+            f"{self.paths[self.disk_leaves(s)[0]]}), and a step writes a directory's new weights "
+            "once. Apply it in one oo.offloaded_scan, or train a copy of it as the other stack "
+            "(oo.copy_nvme_stack, then oo.open_nvme_stack)."
+          )
+    return writes
 
   def discover(self, batch, kwargs):
     found = []
