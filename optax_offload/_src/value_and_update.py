@@ -573,6 +573,13 @@ class _Step:
 
   def check_fusable(self, i: int, n_layers: int) -> None:
     setup, path = self.setup, self.paths[i]
+    if setup.part_shapes[i] and n_layers == 1:  # (no probe splits an axis of one)
+      raise ValueError(
+        f"value_and_update: stack leaf {path} has one layer, and a stack is updated a layer at a "
+        "time from two layers on. Apply a layer of one without oo.offloaded_scan (its weights as "
+        "params: oo.read_nvme_stack reads a stack on NVMe), or use jax.value_and_grad and "
+        "oo.update_and_apply."
+      )
     if setup.part_shapes[i] and setup.leaves[i].rows != n_layers and not self.splits(i):
       raise ValueError(
         f"value_and_update: the update of stack leaf {path} cannot run layer by layer (its "

@@ -548,6 +548,7 @@ class Pipeline:
       self.stats["commit_ns"] += int((time.perf_counter() - start) * 1e9)
       self.cond.notify_all()
     self._delete_generations(drop)
+    self._remove_abandoned(generation)
     logger.debug(
       "NVMe store %s: committed generation %d (fsync %.3fs, publish %.3fs), deleted %s.",
       self.directory,
@@ -556,6 +557,26 @@ class Pipeline:
       time.perf_counter() - synced,
       drop,
     )
+
+  def _remove_abandoned(self, committed: int) -> None:
+    """Deletes what a failed step left of generations older than `committed` that were never
+    committed (puts of a step that raised before its commit): a newer generation is committed, so
+    they never will be, and each failed step would otherwise keep a generation's space on disk
+    until the store is opened again."""
+    with self.cond:
+      keep = set(self.gens.committed.on_disk) | set(self.gens.pinned)
+      self._written = {k for k in self._written if k[1] > committed}
+    try:
+      entries = os.listdir(self.directory)
+    except OSError:
+      return
+    for entry in sorted(entries):
+      generation = format_lib.generation_of(entry)
+      if generation is not None and generation < committed and generation not in keep:
+        logger.info(
+          "NVMe store %s: deleting %s, never committed (a failed step's).", self.directory, entry
+        )
+        files.remove_tree(self.directory / entry)
 
   def _delete_generations(self, generations: Sequence[int]) -> None:
     with self.cond:
