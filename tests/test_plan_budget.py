@@ -6,6 +6,7 @@ Numbers checked by hand; the consumer machine of issue 22 (a 24 GB card, 64 GB o
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -617,3 +618,26 @@ def test_a_stack_in_pinned_host_memory_counts_its_host_copies_and_its_device_byt
     assert e.stack_layer_bytes == one.stack_layer_bytes > 0
   assert one.host_weight_bytes == sharded.host_weight_bytes == 2 * stack  # weights, gradients
   assert replicated.host_weight_bytes == 2 * one.host_weight_bytes
+
+
+def test_the_host_advice_names_the_budget_that_puts_the_weights_on_nvme(tmp_path, two_tb, capsys):
+  # 13B's weights fit in 16 GiB of host memory neither in RAM nor on NVMe (whose buffers need
+  # RAM too): the advice named 37.63 GiB (the weights kept in RAM), twice what a plan with them on
+  # NVMe needs, which the planner picks itself from that budget on (helper review /tmp/revA).
+  argv = [
+    "plan", "13B", "--param-dtype", "bf16", "--master-dtype", "fp32", "--weights-on", "host",
+    "--layers", "40", "--device-memory", "24GiB", "--window-bytes", "2.5GiB",
+    "--nvme-dir", str(tmp_path / "run1"),
+  ]  # fmt: skip
+  d = _json([*argv, "--host-memory", "16GiB"], capsys, status=1)
+  (short,) = d["shortfalls"]
+  floor = d["host_memory_with_weights_on_nvme"]
+  assert short["tier"] == "host" and 16 * GiB < floor < d["host_total_bytes"] / 2
+  given = re.search(r"at least ([0-9.]+ GiB), where the plan puts", short["advice"]).group(1)
+  assert given.replace(" ", "") != "16.00GiB"
+  fits = _json([*argv, "--host-memory", given.replace(" ", "")], capsys)
+  assert fits["fits"] and fits["weights_on"] == "nvme" and fits["host_total_bytes"] >= floor
+  assert (
+    _json([*argv, "--host-memory", str(floor - 2**20) + "B"], capsys, status=1)["weights_on"]
+    == "host"
+  )
