@@ -565,7 +565,9 @@ class Pipeline:
     until the store is opened again."""
     with self.cond:
       keep = set(self.gens.committed.on_disk) | set(self.gens.pinned)
-      self._written = {k for k in self._written if k[1] > committed}
+      # (and any with a write queued or under way: a later commit deletes it once written)
+      keep |= {op.generation for op in [*self._queue, self._writing] if isinstance(op, _Write)}
+      self._written = {k for k in self._written if k[1] > committed or k[1] in keep}
     try:
       entries = os.listdir(self.directory)
     except OSError:
