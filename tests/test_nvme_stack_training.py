@@ -20,6 +20,7 @@ from test_value_and_update import tokens
 import optax_offload as oo
 from benchmarks.stream_layers import streamed_loss_fn
 from optax_offload._src import nvme_stack
+from optax_offload._src import nvme_tier
 
 
 @pytest.fixture
@@ -381,11 +382,12 @@ def test_a_checkpoint_of_the_stack_and_the_state_resumes_bit_for_bit(stack_dir, 
     oo.copy_nvme_stack({"a": resumed["layers"]["wq"], "b": jnp.ones(3)}, tmp_path / "x")
 
 
-def test_failed_steps_leave_no_generation_on_disk(stack_dir):
+def test_failed_steps_leave_no_generation_on_disk(stack_dir, tmp_path):
   # Steps that raise after a block of new weights was put (the store's second put) left that
   # partial generation on disk until the store was opened again: 7 generations after 5 failed
   # steps, against the documented 4 (helper review /tmp/revB). The next commit deletes them, and
-  # the stack reads what the good steps trained.
+  # the stack reads what the good steps trained. The optimizer state's NVMe tier kept the failed
+  # steps' generations in flight, so that exit waited 60 s for them.
   rng = np.random.default_rng(0)
   layers = {
     "w_in": (rng.normal(size=(4, 16, 32)) * 0.1).astype(np.float32),
@@ -397,7 +399,7 @@ def test_failed_steps_leave_no_generation_on_disk(stack_dir):
     return jnp.mean(oo.offloaded_scan(body, x, p["layers"])[0] ** 2)
 
   x = jnp.linspace(-1, 1, 128, dtype=jnp.float32).reshape(8, 16)
-  tx = oo.offload(optax.sgd(0.1), min_size=1)
+  tx = oo.offload(optax.sgd(0.1, momentum=0.9), min_size=1, nvme_dir=tmp_path / "s", host_limit=0)
   params = {"layers": oo.write_nvme_stack(stack_dir, layers)}
   state = tx.init(params)
   step = jax.jit(oo.value_and_update(loss, tx))
@@ -421,12 +423,20 @@ def test_failed_steps_leave_no_generation_on_disk(stack_dir):
   on_disk = sorted(p.name for p in (stack_dir / "store").iterdir() if p.name.startswith("gen_"))
   assert on_disk == [f"gen_{g:08d}" for g in store.generations_on_disk], on_disk
   assert len(on_disk) == 2
+  tier = nvme_tier.lookup(state.nvme_store)
+  assert tier.rendezvous.wait_for_updates(0.0)  # (the exit's wait: nothing in flight)
+  tier.store.sync()
+  state_dirs = sorted(p.name for p in tier.directory.iterdir() if p.name.startswith("gen_"))
+  assert state_dirs == [f"gen_{g:08d}" for g in tier.store.generations_on_disk], state_dirs
   # The two good steps, as without the failed ones.
   ref = {"layers": oo.write_nvme_stack(stack_dir.parent / "ref", layers)}
-  ref_state = tx.init(ref)
+  ref_tx = oo.offload(optax.sgd(0.1, momentum=0.9), min_size=1)
+  ref_state = ref_tx.init(ref)
+  ref_step = jax.jit(oo.value_and_update(loss, ref_tx))
   for _ in range(2):
-    _, ref, ref_state = step(ref, ref_state, x)
+    _, ref, ref_state = ref_step(ref, ref_state, x)
   assert_bits_equal(oo.read_nvme_stack(params["layers"]), oo.read_nvme_stack(ref["layers"]))
+  oo.close_nvme(state)
 
 
 def test_a_stack_of_one_layer_is_refused_saying_so():

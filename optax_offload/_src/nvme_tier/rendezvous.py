@@ -137,7 +137,8 @@ class Rendezvous:
       raise
     finally:
       with self._cond:
-        self._in_flight.discard(generation)
+        # (with the older ones a failed step began: a newer commit means they never will be)
+        self._in_flight = {g for g in self._in_flight if g > generation}
         self._cond.notify_all()
 
   def wait_for_updates(self, timeout: float) -> bool:
