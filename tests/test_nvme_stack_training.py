@@ -401,6 +401,7 @@ def test_failed_steps_leave_no_generation_on_disk(stack_dir, tmp_path):
   x = jnp.linspace(-1, 1, 128, dtype=jnp.float32).reshape(8, 16)
   tx = oo.offload(optax.sgd(0.1, momentum=0.9), min_size=1, nvme_dir=tmp_path / "s", host_limit=0)
   params = {"layers": oo.write_nvme_stack(stack_dir, layers)}
+  written = params["layers"]
   state = tx.init(params)
   step = jax.jit(oo.value_and_update(loss, tx))
   _, params, state = step(params, state, x)
@@ -423,6 +424,10 @@ def test_failed_steps_leave_no_generation_on_disk(stack_dir, tmp_path):
   on_disk = sorted(p.name for p in (stack_dir / "store").iterdir() if p.name.startswith("gen_"))
   assert on_disk == [f"gen_{g:08d}" for g in store.generations_on_disk], on_disk
   assert len(on_disk) == 2
+  # The leaves as written name a generation two commits have dropped: the error says so (it was
+  # the store's "neither committed on disk nor put").
+  with pytest.raises(ValueError, match="which later steps have replaced"):
+    oo.read_nvme_stack(written)
   tier = nvme_tier.lookup(state.nvme_store)
   assert tier.rendezvous.wait_for_updates(0.0)  # (the exit's wait: nothing in flight)
   tier.store.sync()

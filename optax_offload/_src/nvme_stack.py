@@ -139,6 +139,16 @@ class _Opened:
       return last[1]
     try:
       arrays = self.store.fetch(i, generation, then=then)
+    except ValueError as e:
+      on_disk = self.store.generations_on_disk
+      if not on_disk or generation >= min(on_disk):
+        raise
+      raise ValueError(
+        f"The layer stack leaves name generation {generation} of the stack at "
+        f"{self.store.directory.parent}, which later steps have replaced (on disk: generations "
+        f"{list(on_disk)}). Use the leaves the last step returned, oo.open_nvme_stack for the "
+        "last committed weights, or oo.copy_nvme_stack at the step whose weights you want kept."
+      ) from e
     except nvme.NvmeCorruptionError as e:
       names = ", ".join(f"leaf{j} = {p}" for j, p in enumerate(self.paths))
       raise nvme.NvmeCorruptionError(
