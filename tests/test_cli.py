@@ -205,11 +205,17 @@ def test_flax_nnx_module():
 
 def test_measure_uses_this_machine(tmp_path, capsys):
   nvme = tmp_path / "nvme"
+  nvme.mkdir()
   argv = ["plan", "1e6", "--nvme-dir", str(nvme), "--measure", "--measure-bytes", "2MiB"]
   assert cli.main(argv) == 0
   out = capsys.readouterr().out
   assert "measured: link, nvme_read, nvme_write" in out
   assert os.listdir(nvme) == []  # the temporary file is gone
+  # A --nvme-dir that does not exist yet is made to measure in, then removed with the folders
+  # made for it (they were left behind, helper review /tmp/revA).
+  new = tmp_path / "new" / "run1"
+  assert cli.main([*argv[:3], str(new), *argv[4:]]) == 0
+  assert os.listdir(tmp_path) == ["nvme"]
 
 
 def test_a_given_bandwidth_wins_over_a_measured_one(capsys):
@@ -386,3 +392,16 @@ def test_plan_takes_the_nvme_tiers_depths(capsys):
     cli.main([*argv, "--write-depth", "0"])
   assert exit_.value.code == 2
   assert "--write-depth: write_depth must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_disk_line_names_where_free_space_was_read(tmp_path, capsys):
+  # A --nvme-dir on a drive not mounted yet (/nvme/run1 without /nvme) was checked against the
+  # root's free space without a word (helper review /tmp/revA): the plan names the folder.
+  argv = ["plan", "1B", "--param-dtype", "bf16", "--master-dtype", "fp32", "--host-memory", "4GiB"]
+  missing = tmp_path / "nvme" / "run1"
+  assert cli.main([*argv, "--nvme-dir", str(missing)]) == 0
+  out = capsys.readouterr().out
+  assert f"available (the free space of {tmp_path}: --nvme-dir does not exist yet" in out
+  assert not missing.parent.exists()
+  assert cli.main([*argv, "--nvme-dir", str(tmp_path), "--json"]) == 0
+  assert json.loads(capsys.readouterr().out)["nvme_space_of"] is None

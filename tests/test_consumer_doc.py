@@ -3,6 +3,7 @@ prose states is in one of those outputs."""
 
 import contextlib
 import io
+import os
 import pathlib
 import re
 import shlex
@@ -69,6 +70,8 @@ def page_machine(monkeypatch, tmp_path):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
   monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
   monkeypatch.setattr(estimate_lib, "free_disk", lambda path: TWO_TB)
+  # (the page's /nvme is mounted: the disk line names no other folder)
+  monkeypatch.setattr(estimate_lib, "nearest_existing", os.path.abspath)
   return str(tmp_path / "run1")
 
 

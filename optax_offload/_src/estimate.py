@@ -41,6 +41,7 @@ from optax_offload._src import tree_plan
 from optax_offload._src.host_budget import Placement
 from optax_offload._src.measure import Bandwidths
 from optax_offload._src.measure import free_disk
+from optax_offload._src.measure import nearest_existing
 from optax_offload._src.named_optimizers import NamedOptimizer
 from optax_offload._src.plan import NVME_DISK_FACTOR
 from optax_offload._src.units import check_options
@@ -102,6 +103,8 @@ class Estimate:
     host_limit: pinned-host budget given, or None (no limit).
     nvme: whether an NVMe tier is available.
     nvme_capacity: disk bytes available to the NVMe tier, or None (not checked).
+    nvme_space_of: where `nvme_dir` does not exist yet, the nearest folder of it that does, whose
+      file system's free space `nvme_capacity` is (a drive not mounted yet shows here), else None.
     window_bytes: the window `offload` would use.
     param_bytes: bytes of the parameters on the device (with ``weights_on="host"``: the leaves
       outside the stack).
@@ -187,6 +190,7 @@ class Estimate:
   nvme_weight_bytes: int = 0
   weights_on_reason: str | None = None
   host_memory_with_weights_on_nvme: int | None = None
+  nvme_space_of: str | None = None
   leaves: tuple[plan_lib.LeafInfo, ...] | None = dataclasses.field(default=None, repr=False)
   plan: plan_lib.Plan | None = dataclasses.field(default=None, repr=False)
 
@@ -282,7 +286,13 @@ class Estimate:
           self.nvme_capacity,
           f"the NVMe tier keeps up to {NVME_DISK_FACTOR} generations of "
           f"{format_bytes(self.nvme_bytes + self.nvme_weight_bytes)}: free disk space, point --nvme-dir at a larger disk "
-          "(or pass a larger --nvme-size), or raise --host-memory.",
+          "(or pass a larger --nvme-size), or raise --host-memory."
+          + (
+            ""
+            if self.nvme_space_of is None
+            else f" (This is the free space of {self.nvme_space_of}: --nvme-dir does not exist "
+            "yet; mount its drive first if it is not.)"
+          ),
         )
       )
     return tuple(out)
@@ -614,10 +624,13 @@ def estimate(
   window = tree_plan.window_bytes(window, device_memory)
   master = _parse_master(master_dtype)
   moments = compress.parse_moment_dtype(moment_dtype)
-  capacity = nvme_size
+  capacity, checked_at = nvme_size, None
   if nvme_dir is not None:
-    free = free_disk(host_budget.check_nvme_dir(nvme_dir))
+    path = host_budget.check_nvme_dir(nvme_dir)
+    free = free_disk(path)
     capacity = free if nvme_size is None else min(nvme_size, free)
+    nearest = nearest_existing(path)
+    checked_at = None if nearest == os.path.abspath(path) else nearest
   opt_name, opt = named_optimizers.lookup(optimizer)
   common = dict(
     optimizer=opt_name,
@@ -628,6 +641,7 @@ def estimate(
     host_limit=host_limit,
     nvme=nvme_dir is not None or nvme_size is not None,
     nvme_capacity=capacity,
+    nvme_space_of=checked_at,
     window_bytes=window,
     activation_bytes=activations,
     bandwidths=Bandwidths() if bandwidths is None else bandwidths,

@@ -164,11 +164,10 @@ def host_memory_advice(e: Estimate) -> str:
     )
     if e.host_memory_with_weights_on_nvme is not None:
       advice = (
-        f"{' + '.join(parts)} must stay in host memory with the stack's weights there: raise "
-        f"--host-memory to at least {format_bytes_up(e.host_memory_with_weights_on_nvme)}, where "
-        "the plan "
-        "puts the stack's weights on NVMe itself (the NVMe buffers in host memory; the weights "
-        "read twice a step: oo.write_nvme_stack, oo.value_and_update), or to "
+        f"{' + '.join(parts)} must stay in host memory{why}: raise --host-memory to at least "
+        f"{format_bytes_up(e.host_memory_with_weights_on_nvme)}, where the plan puts the stack's "
+        "weights on NVMe itself (the NVMe buffers in host memory; the weights read twice a step: "
+        "oo.write_nvme_stack, oo.value_and_update), or to at least "
         f"{fmt(fixed + e.nvme_buffer_bytes)} to keep them in RAM"
       )
     if stack and not e.update_in_backward:

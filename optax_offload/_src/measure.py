@@ -108,8 +108,20 @@ def measure_bandwidths(
     values["link"] = link
   notes = [note]
   if nvme_dir is not None:
+    missing = []  # (the folders made to measure in, deepest first: removed after)
+    folder = os.path.abspath(nvme_dir)
+    while not os.path.exists(folder):
+      missing.append(folder)
+      folder = os.path.dirname(folder)
     os.makedirs(nvme_dir, exist_ok=True)
-    read, write = _measure_disk(os.fspath(nvme_dir), n)
+    try:
+      read, write = _measure_disk(os.fspath(nvme_dir), n)
+    finally:
+      for folder in missing:
+        try:
+          os.rmdir(folder)
+        except OSError:  # (something else was put there meanwhile)
+          break
     values.update(nvme_read=read, nvme_write=write)
     notes.append(f"disk: {format_bytes(n)} file in {os.path.abspath(nvme_dir)}")
   else:
