@@ -225,15 +225,17 @@ def plan(cfg: Config, args) -> oo.Estimate:
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-  p.add_argument("--size", choices=sorted(SIZES), default="13B")
-  p.add_argument("--steps", type=int, default=10)
-  p.add_argument("--batch", type=int, help="sequences per step (13B: 1; 4 needs more of the card)")
-  p.add_argument("--lr", type=float, default=1e-5)
-  p.add_argument("--device-memory", default="24GiB", help="the card's memory (default 24GiB)")
-  p.add_argument(
-    "--host-memory", default="48GiB", help="host RAM for the run in all (default 48GiB)"
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0],
+    allow_abbrev=False,
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
+  p.add_argument("--size", choices=sorted(SIZES), default="13B", help="the model")
+  p.add_argument("--steps", type=int, default=10, help="optimizer steps")
+  p.add_argument("--batch", type=int, help="sequences per step (13B: 1; 4 needs more of the card)")
+  p.add_argument("--lr", type=float, default=1e-5, help="AdamW's learning rate")
+  p.add_argument("--device-memory", default="24GiB", help="the card's memory")
+  p.add_argument("--host-memory", default="48GiB", help="host RAM for the run in all")
   p.add_argument("--host-limit", help="the state's host budget; default: what the plan leaves")
   p.add_argument("--nvme-dir", help="directory on the NVMe drive for the optimizer state")
   p.add_argument("--no-nvme", action="store_true", help="keep the state in host memory only")
@@ -248,6 +250,9 @@ def main(argv=None) -> dict:
     "--device-leaves", default="", help="stack leaves kept on the card, e.g. wq,wo (none)"
   )
   p.add_argument("--window-bytes", help="offload's window (default: the size's)")
+  p.add_argument(
+    "--force", action="store_true", help="train even where the plan says it does not fit"
+  )
   p.add_argument(
     "--xla-slop-factor",
     type=int,
@@ -278,6 +283,8 @@ def main(argv=None) -> dict:
   print(f"{cfg.params:,} params; plan: {e.bytes_per_tier}, fits: {e.fits}", flush=True)
   if not e.fits:
     print("\n".join(f"  {s.tier}: {s.advice}" for s in e.shortfalls), flush=True)
+    if not args.force:  # (it would fail later, or swap; --force tries anyway)
+      p.exit(1, "The plan does not fit: change the options as said above (or pass --force).\n")
   host_limit = args.host_limit if args.host_limit is not None else e.host_bytes
   moments = {} if args.moment_dtype is None else {"moment_dtype": args.moment_dtype}
   tx = oo.offload(

@@ -413,3 +413,13 @@ def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(
   with pytest.raises(ValueError, match="cannot be created"):
     tx.init(params)
   assert len(gathers) == 2 and np.asarray(gathers[-1]).view(np.int64)[-1] == 1
+
+
+def test_the_script_stops_where_its_plan_does_not_fit(capsys):
+  # It printed the shortfalls and trained on (helper review /tmp/revA); --force still tries.
+  with pytest.raises(SystemExit) as exc:
+    _example().main([*TINY, "--no-nvme", "--host-memory", "1KiB"])
+  assert exc.value.code == 1
+  out = capsys.readouterr()
+  assert "fits: False" in out.out and "raise --host-memory to at least" in out.out
+  assert "The plan does not fit: change the options as said above (or pass --force)." in out.err
