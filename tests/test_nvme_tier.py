@@ -355,6 +355,9 @@ def test_full_filesystem_keeps_the_last_committed_generation(tmp_path, how):
         u, state = tx.update(make_grads(p, t), state, p)
         oo.sync_nvme(state)
         last_good = int(state.nvme_generation)
+    # A later use says what to do (it re-raised the same error, helper review /tmp/revB).
+    with pytest.raises(oo.NvmeError, match=r"close it and open it again: oo.close_nvme\(state\)"):
+      oo.sync_nvme(state)
     store_dir = mnt / "process_0"
     try:
       oo.close_nvme(state)

@@ -336,9 +336,17 @@ class Pipeline:
       raise RuntimeError(f"NVMe store {self.directory} is closed.")
 
   def _raise_error_locked(self) -> None:
-    if self.error is not None:
-      self._error_reported = True
-      raise self.error
+    if self.error is None:
+      return
+    if self._error_reported and isinstance(self.error, NvmeWriteError):  # (a later call)
+      raise NvmeWriteError(
+        f"{self.error} The store stopped at that error and refuses every use since: its last "
+        f"committed generation ({self.gens.committed.committed}) is intact on disk. Once the "
+        "cause is fixed (e.g. space freed), close it and open it again: oo.close_nvme(state) and "
+        "restore the state, or oo.close_nvme_stack(leaves) and oo.open_nvme_stack."
+      ) from self.error
+    self._error_reported = True
+    raise self.error
 
   def check_usable_locked(self) -> None:
     self.check_open_locked()
