@@ -103,6 +103,9 @@ class Estimate:
     host_limit: pinned-host budget given, or None (no limit).
     nvme: whether an NVMe tier is available.
     nvme_capacity: disk bytes available to the NVMe tier, or None (not checked).
+    step_s_in_backward: where the planner kept the stack's gradients whole, the step time lower
+      bound with the update in the backward pass instead, when that plan fits as well and is
+      faster by 5% or more (``--update-in-backward yes``), else None.
     nvme_space_of: where `nvme_dir` does not exist yet, the nearest folder of it that does, whose
       file system's free space `nvme_capacity` is (a drive not mounted yet shows here), else None.
     window_bytes: the window `offload` would use.
@@ -191,6 +194,7 @@ class Estimate:
   weights_on_reason: str | None = None
   host_memory_with_weights_on_nvme: int | None = None
   nvme_space_of: str | None = None
+  step_s_in_backward: float | None = None
   leaves: tuple[plan_lib.LeafInfo, ...] | None = dataclasses.field(default=None, repr=False)
   plan: plan_lib.Plan | None = dataclasses.field(default=None, repr=False)
 

@@ -64,6 +64,14 @@ def _summary(e: Estimate) -> list[str]:
       )
     else:
       lines.insert(1, "weights and grads of the layer stack in pinned host memory (offloaded_scan)")
+      if e.step_s_in_backward is not None:
+        lines.insert(
+          2,
+          "faster: the update in the backward pass (--update-in-backward yes, oo.value_and_update) "
+          f"bounds a step at {e.step_s_in_backward:.1f} s instead of "
+          f"{e.step_time_lower_bound:.1f} s: the stack's gradients never whole, fewer bytes "
+          "moved",
+        )
   if e.plan is None:
     opt = named_optimizers.OPTIMIZERS.get(e.optimizer)
     state_per = (e.offloaded_bytes - e.master_bytes) / e.params
