@@ -246,9 +246,16 @@ def test_a_given_bandwidth_wins_over_a_measured_one(capsys):
     (["plan", "13B", "--target", "a100", "--tokens-per-step", "8"], "Unknown --target 'a100'"),
     # A size or bandwidth without a unit is refused (48 bytes of host memory was planned), as
     # are a negative one, a bare count below a thousand (13 for 13B), and no tokens a step.
-    (["plan", "13B", "--host-memory", "48"], "--host-memory 48: give a unit, e.g. 48GiB"),
-    (["plan", "13B", "--device-memory", "24"], "--device-memory 24: give a unit"),
+    (
+      ["plan", "13B", "--host-memory", "48"],
+      "--host-memory 48: a number without a unit is bytes; give a unit, e.g. 48GiB",
+    ),
+    (
+      ["plan", "13B", "--device-memory", "24"],
+      "--device-memory 24: a number without a unit is bytes",
+    ),
     (["plan", "13B", "--link-bandwidth", "25"], "25GB (10**9 bytes per second)"),
+    (["plan", "13B", "--window-bytes", "1e3"], "e.g. 24GiB"),  # (1e3GiB would not parse)
     (["plan", "13B", "--host-memory=-48GiB"], "a size must be positive"),
     (["plan", "13"], "write 13B for 13 billion"),
     (["plan", "13B", "--target", "rtx4090_24gb", "--tokens-per-step", "-5"], "positive count"),
@@ -392,6 +399,14 @@ def test_plan_takes_the_nvme_tiers_depths(capsys):
     cli.main([*argv, "--write-depth", "0"])
   assert exit_.value.code == 2
   assert "--write-depth: write_depth must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_bare_byte_count_of_a_mib_or_more_is_bytes(capsys):
+  # As `offload(host_memory=...)`'s note on a shared disk prints it (--nvme-size {share}B), and as
+  # parse_bytes takes an int: refused under a MiB only (helper review /tmp/revC).
+  for size in ("1048576", "1048576B"):
+    assert cli.main(["plan", "7B", "--nvme-size", size, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["nvme_capacity"] == 2**20
 
 
 def test_the_disk_line_names_where_free_space_was_read(tmp_path, capsys):

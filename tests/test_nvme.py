@@ -969,3 +969,20 @@ def test_sigkill_at_random_moments_keeps_last_committed_generation(tmp_path, zyg
   assert generations[-1] > 0, generations
   assert interrupted > 0, "no kill landed while a generation was being written"
   assert not any(w[0] == "bad" for w in list(zygote.lines.queue))
+
+
+def test_a_store_stopped_before_any_commit_says_so(tmp_path):
+  # Every use after a failed write says what is intact and what to do; where nothing was
+  # committed yet it named "generation (-1)" (helper review /tmp/revC).
+  store = nvme.NvmeStore(tmp_path / "s", [[nvme.LeafSpec("a", (256,), np.float32)]])
+
+  def no_space(op):
+    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+  store._pipeline.write_group = no_space
+  store.put(0, store.new_generation(), [np.zeros(256, np.float32)])
+  with pytest.raises(nvme.NvmeWriteError, match="injected"):
+    store.sync()
+  with pytest.raises(nvme.NvmeWriteError, match="nothing was committed yet. Once the cause"):
+    store.sync()
+  store.close()  # (the error was reported: it closes)

@@ -43,7 +43,7 @@ buffers): leave the OS and your data loader the rest. --device-memory is the car
 takes 75% of it (XLA_PYTHON_CLIENT_MEM_FRACTION changes that) and the plan checks that share.
 
 sizes take a unit: 24GiB (or 24G, as in free -g) = 24 * 2**30 bytes, 24GB = 24 * 10**9 bytes; a
-number without one is refused. Bandwidths are bytes per second (25GB = 25 * 10**9 B/s). A bare
+number without one is bytes, and refused under a MiB (24 for 24GiB). Bandwidths are bytes per second (25GB = 25 * 10**9 B/s). A bare
 parameter count is one aggregate: every parameter in a leaf of at least min_size elements; the
 Python API (optax_offload.estimate) takes shapes or a Flax model.
 """
@@ -297,8 +297,8 @@ _BARE_NUMBER = re.compile(r"^\s*[0-9]*\.?[0-9]+([eE][+-]?[0-9]+)?\s*$")
 
 
 def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-  """Refuses what a user most likely mistyped: a size or bandwidth without a unit (bytes, where
-  24 meant 24GiB), a negative one, a parameter count below a thousand without a suffix (13 for
+  """Refuses what a user most likely mistyped: a size or bandwidth under a MiB without a unit
+  (bytes, where 24 meant 24GiB), a negative one, a parameter count below a thousand without a suffix (13 for
   13B), and a token count that is not positive."""
   for name in (*_SIZES, *_BANDWIDTHS):
     value = getattr(args, name, None)
@@ -307,11 +307,12 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
       continue
     if value.strip().startswith("-"):
       parser.error(f"{flag} {value}: a size must be positive, e.g. 48GiB.")
-    if _BARE_NUMBER.match(value) and float(value) != 0:
+    if _BARE_NUMBER.match(value) and 0 < float(value) < 2**20:  # (a bare count is bytes)
       per = " per second" if name in _BANDWIDTHS else ""
+      n = value.strip() if re.fullmatch(r"[0-9.]+", value.strip()) else "24"
       parser.error(
-        f"{flag} {value}: give a unit, e.g. {value.strip()}GiB (2**30 bytes{per}) or "
-        f"{value.strip()}GB (10**9 bytes{per})."
+        f"{flag} {value}: a number without a unit is bytes; give a unit, e.g. {n}GiB (2**30 "
+        f"bytes{per}) or {n}GB (10**9 bytes{per})."
       )
   if _BARE_NUMBER.match(args.params) and float(args.params) < 1000:
     parser.error(

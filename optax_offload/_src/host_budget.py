@@ -382,9 +382,9 @@ def plan_update_in_backward(
     if in_backward.host_total_bytes <= host_memory and device_short[0] >= device_short[1]:
       return in_backward  # (its window beside the streamed layers: not where the device is short)
   # Kept whole, though the update in the backward pass may be faster (no whole gradients: fewer
-  # bytes on the drive and the link): the plan says so where it fits as well and is 5% faster.
+  # bytes on the drive and the link): the plan says so where that one fits and is 5% faster.
   fused = plan(True, "as asked (--update-in-backward yes)")
-  if fused.fits >= e.fits and fused.step_time_lower_bound < 0.95 * e.step_time_lower_bound:
+  if fused.fits and fused.step_time_lower_bound < 0.95 * e.step_time_lower_bound:
     return dataclasses.replace(e, step_s_in_backward=fused.step_time_lower_bound)
   return e
 

@@ -272,7 +272,7 @@ def _disk_share(nvme_dir) -> tuple[int | None, str]:
   return share, (
     f" ({sharers} processes of this run keep their NVMe tier on this machine's file system of "
     f"nvme_dir, with {units.format_bytes(free)} free: each plans with 1/{sharers} of it, "
-    f"{units.format_bytes(share)}; the plan command with --nvme-size {share} counts the same)"
+    f"{units.format_bytes(share)}; the plan command with --nvme-size {share}B counts the same)"
   )
 
 

@@ -339,11 +339,16 @@ class Pipeline:
     if self.error is None:
       return
     if self._error_reported and isinstance(self.error, NvmeWriteError):  # (a later call)
+      committed = self.gens.committed.committed
+      kept = (
+        f"its last committed generation ({committed}) is intact on disk"
+        if committed >= 0
+        else "nothing was committed yet"
+      )
       raise NvmeWriteError(
-        f"{self.error} The store stopped at that error and refuses every use since: its last "
-        f"committed generation ({self.gens.committed.committed}) is intact on disk. Once the "
-        "cause is fixed (e.g. space freed), close it and open it again: oo.close_nvme(state) and "
-        "restore the state, or oo.close_nvme_stack(leaves) and oo.open_nvme_stack."
+        f"{self.error} The store stopped at that error and refuses every use since: {kept}. Once "
+        "the cause is fixed (e.g. space freed), close it and open it again: oo.close_nvme(state) "
+        "and restore the state, or oo.close_nvme_stack(leaves) and oo.open_nvme_stack."
       ) from self.error
     self._error_reported = True
     raise self.error
