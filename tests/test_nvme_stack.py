@@ -236,6 +236,9 @@ def test_bad_directories_and_structures_are_refused_and_nothing_is_lost(stack_di
   }
   with pytest.raises(ValueError, match=r"another stack than `like` describes: .*\['w'\]"):
     oo.open_nvme_stack(stack_dir, wrong)
+  # Python scalars as `like` (an AttributeError on their dtype before, helper review /tmp/revB).
+  with pytest.raises(ValueError, match=r"another stack than `like` describes: .*\['w'\]"):
+    oo.open_nvme_stack(stack_dir, {"w": 1.0, "b": 2.0})
   with pytest.raises(FileNotFoundError, match="holds no complete layer stack"):
     oo.open_nvme_stack(tmp_path / "nothing", wrong)
   with pytest.raises(ValueError, match="same leading"):

@@ -380,7 +380,7 @@ def open_nvme_stack(
   key = _key(directory)
   doc = _description(key)
   flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_leaf)
-  want = [(jax.tree_util.keystr(p), list(np.shape(a)), np.dtype(a.dtype).name) for p, a in flat]
+  want = [(jax.tree_util.keystr(p), list(np.shape(a)), _dtype(a).name) for p, a in flat]
   have = [(d["path"], d["shape"], d["dtype"]) for d in doc["leaves"]]
   if want != have:
     diffs = [f"{w} != {h}" for w, h in zip(want, have) if w != h]
