@@ -361,7 +361,7 @@ def test_host_memory_agreement_paths_two_processes_cannot_show_on_loopback(
     m.setattr(measure, "free_disk", lambda path: 2_000_000)
     with pytest.raises(ValueError, match=r"nvme \(2 processes .* each plans with 1/2 of it") as e:
       offload().init(params)
-  assert "the plan command with --nvme-size 1000000 counts the same" in str(e.value)
+  assert "the plan command with --nvme-size 1000000B counts the same" in str(e.value)
   # The disk cannot be read: this process raises its error after the other learns of it.
   gathers = []
   monkeypatch.setattr(
