@@ -622,15 +622,21 @@ def test_a_stack_in_pinned_host_memory_counts_its_host_copies_and_its_device_byt
   assert replicated.host_weight_bytes == 2 * one.host_weight_bytes
 
 
+def _stack_plan(model: str, layers: int, tmp_path, *extra: str) -> list[str]:
+  """`plan` of a bf16 model with an fp32 master copy and its layer stack in host memory, on a
+  24 GiB card with an NVMe directory under `tmp_path`."""
+  return [
+    "plan", model, "--param-dtype", "bf16", "--master-dtype", "fp32", "--weights-on", "host",
+    "--layers", str(layers), "--device-memory", "24GiB", "--nvme-dir", str(tmp_path / "run1"),
+    *extra,
+  ]  # fmt: skip
+
+
 def test_the_host_advice_names_the_budget_that_puts_the_weights_on_nvme(tmp_path, two_tb, capsys):
   # 13B's weights fit in 16 GiB of host memory neither in RAM nor on NVMe (whose buffers need
   # RAM too): the advice named 37.63 GiB (the weights kept in RAM), twice what a plan with them on
   # NVMe needs, which the planner picks itself from that budget on (helper review /tmp/revA).
-  argv = [
-    "plan", "13B", "--param-dtype", "bf16", "--master-dtype", "fp32", "--weights-on", "host",
-    "--layers", "40", "--device-memory", "24GiB", "--window-bytes", "2.5GiB",
-    "--nvme-dir", str(tmp_path / "run1"),
-  ]  # fmt: skip
+  argv = _stack_plan("13B", 40, tmp_path, "--window-bytes", "2.5GiB")
   d = _json([*argv, "--host-memory", "16GiB"], capsys, status=1)
   (short,) = d["shortfalls"]
   floor = d["host_memory_with_weights_on_nvme"]
@@ -648,11 +654,7 @@ def test_the_host_advice_names_the_budget_that_puts_the_weights_on_nvme(tmp_path
 def test_a_plan_keeping_the_gradients_whole_names_the_faster_one(tmp_path, two_tb, capsys):
   # 7B at 48 GiB: the whole gradients fit, so the planner keeps them, though the update in the
   # backward pass moves fewer bytes (helper review /tmp/revA: 53.6 s against 44.5 s, unsaid).
-  argv = [
-    "plan", "7B", "--param-dtype", "bf16", "--master-dtype", "fp32", "--weights-on", "host",
-    "--layers", "32", "--device-memory", "24GiB", "--host-memory", "48GiB",
-    "--nvme-dir", str(tmp_path / "run1"),
-  ]  # fmt: skip
+  argv = _stack_plan("7B", 32, tmp_path, "--host-memory", "48GiB")
   d = _json(argv, capsys)
   assert not d["update_in_backward"] and d["fits"]
   fused = _json([*argv, "--update-in-backward", "yes"], capsys)
