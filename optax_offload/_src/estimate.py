@@ -291,15 +291,21 @@ class Estimate:
           f"the NVMe tier keeps up to {NVME_DISK_FACTOR} generations of "
           f"{format_bytes(self.nvme_bytes + self.nvme_weight_bytes)}: free disk space, point --nvme-dir at a larger disk "
           "(or pass a larger --nvme-size), or raise --host-memory."
-          + (
-            ""
-            if self.nvme_space_of is None
-            else f" (This is the free space of {self.nvme_space_of}: --nvme-dir does not exist "
-            "yet; mount its drive first if it is not.)"
-          ),
+          + ("" if self.nvme_space_of is None else f" (This is {self.nvme_space_note}.)"),
         )
       )
     return tuple(out)
+
+  @property
+  def nvme_space_note(self) -> str | None:
+    """Where `nvme_dir` does not exist yet, what the disk check read (for the report and the
+    NVMe shortfall), else None."""
+    if self.nvme_space_of is None:
+      return None
+    return (
+      f"the free space of {self.nvme_space_of}: --nvme-dir does not exist yet; mount its drive "
+      "first if it is not"
+    )
 
   @property
   def fits(self) -> bool:

@@ -158,18 +158,17 @@ def host_memory_advice(e: Estimate) -> str:
       if stack or e.accumulator_bytes
       else ""
     )
-    advice = (
-      f"{' + '.join(parts)} must stay in host memory{why}: raise --host-memory to at least "
-      f"{fmt(fixed + e.nvme_buffer_bytes)}"
-    )
+    at_least = fmt(fixed + e.nvme_buffer_bytes)
     if e.host_memory_with_weights_on_nvme is not None:
-      advice = (
-        f"{' + '.join(parts)} must stay in host memory{why}: raise --host-memory to at least "
+      at_least = (
         f"{format_bytes_up(e.host_memory_with_weights_on_nvme)}, where the plan puts the stack's "
         "weights on NVMe itself (the NVMe buffers in host memory; the weights read twice a step: "
-        "oo.write_nvme_stack, oo.value_and_update), or to at least "
-        f"{fmt(fixed + e.nvme_buffer_bytes)} to keep them in RAM"
+        f"oo.write_nvme_stack, oo.value_and_update), or to at least {at_least} to keep them in RAM"
       )
+    advice = (
+      f"{' + '.join(parts)} must stay in host memory{why}: raise --host-memory to at least "
+      f"{at_least}"
+    )
     if stack and not e.update_in_backward:
       advice += ", or update in the backward pass (--update-in-backward yes: no whole gradients)"
     elif e.accumulator_bytes:

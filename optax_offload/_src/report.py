@@ -239,16 +239,6 @@ def _placed(e: Estimate) -> list[str]:
   return lines
 
 
-def _space_of(e) -> str:
-  """Where the disk's free space was read, when --nvme-dir does not exist yet."""
-  if e.nvme_space_of is None:
-    return ""
-  return (
-    f" (the free space of {e.nvme_space_of}: --nvme-dir does not exist yet; mount its drive "
-    "first if it is not)"
-  )
-
-
 def _fit(e: Estimate) -> list[str]:
   """Whether it fits, what was not checked, and each shortfall with its advice."""
   fmt = format_bytes
@@ -268,7 +258,8 @@ def _fit(e: Estimate) -> list[str]:
       lines.append(f"  host: {fmt(e.host_total_bytes)} of --host-memory {fmt(e.host_memory)}")
     if e.nvme_capacity is not None and e.nvme_bytes:
       lines.append(
-        f"  disk: {fmt(e.nvme_disk_bytes)} of {fmt(e.nvme_capacity)} available{_space_of(e)}"
+        f"  disk: {fmt(e.nvme_disk_bytes)} of {fmt(e.nvme_capacity)} available"
+        + ("" if e.nvme_space_note is None else f" ({e.nvme_space_note})")
       )
     return lines
   lines = ["fits: NO" + unchecked]

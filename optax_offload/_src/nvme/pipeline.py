@@ -575,23 +575,19 @@ class Pipeline:
     """Deletes what a failed step left of generations older than `committed` that were never
     committed (puts of a step that raised before its commit): a newer generation is committed, so
     they never will be, and each failed step would otherwise keep a generation's space on disk
-    until the store is opened again."""
+    until the store is opened again. Their directories are those of the groups written and not
+    committed (`_written`); one with a write queued or under way stays until a later commit."""
     with self.cond:
       keep = set(self.gens.committed.on_disk) | set(self.gens.pinned)
-      # (and any with a write queued or under way: a later commit deletes it once written)
       keep |= {op.generation for op in [*self._queue, self._writing] if isinstance(op, _Write)}
+      abandoned = sorted({k[1] for k in self._written if k[1] < committed and k[1] not in keep})
       self._written = {k for k in self._written if k[1] > committed or k[1] in keep}
-    try:
-      entries = os.listdir(self.directory)
-    except OSError:
-      return
-    for entry in sorted(entries):
-      generation = format_lib.generation_of(entry)
-      if generation is not None and generation < committed and generation not in keep:
-        logger.info(
-          "NVMe store %s: deleting %s, never committed (a failed step's).", self.directory, entry
-        )
-        files.remove_tree(self.directory / entry)
+    for generation in abandoned:
+      path = self.generation_path(generation)
+      logger.info(
+        "NVMe store %s: deleting %s, never committed (a failed step's).", self.directory, path.name
+      )
+      files.remove_tree(path)
 
   def _delete_generations(self, generations: Sequence[int]) -> None:
     with self.cond:
