@@ -15,6 +15,7 @@ import random
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -268,6 +269,45 @@ def test_nvme_files_are_linked_or_copied(fast_dir, tmp_path):
   oo.close_nvme(s2)
 
 
+def test_two_saves_of_one_state_both_complete(fast_dir, monkeypatch):
+  """A fast local save and a slow persistent one of the same state: the first to finish does not
+  release the NVMe generation under the other while training moves on."""
+  from optax_offload._src import checkpoint as checkpoint_lib
+
+  params = child.committed_params()
+  tx = child.make_tx("adamw", "nvme", fast_dir / "nvme")
+  step = child.make_step(tx)
+  p, s = child.run(step, params, tx.init(params), 0, STEP)
+  plain = oo.to_inner(s)
+  generation = int(s.nvme_generation)
+  release, link = threading.Event(), checkpoint_lib._link_tree
+
+  def slow_link(src, dst, how):
+    if "slow" in str(dst):
+      assert release.wait(120)
+    return link(src, dst, how)
+
+  monkeypatch.setattr(checkpoint_lib, "_link_tree", slow_link)
+  with ocp.CheckpointManager(fast_dir / "slow") as slow:
+    try:
+      slow.save(STEP, args=child.save_args(p, s))
+      _save(fast_dir / "fast", STEP, p, s)
+      p, s = child.run(step, p, s, STEP, STEP + 3)
+      oo.sync_nvme(s)
+      assert generation in _store_of(s).generations_on_disk  # still pinned by the slow save
+    finally:
+      release.set()
+    slow.wait_until_finished()
+  oo.sync_nvme(s)
+  assert generation not in _store_of(s).generations_on_disk
+  oo.close_nvme(s)
+  for name in ("slow", "fast"):
+    tx2 = child.make_tx("adamw", "nvme", fast_dir / f"nvme_{name}")
+    _, restored = _restore(fast_dir / name, STEP, params, tx2.init(params))
+    assert bits_equal(plain, oo.to_inner(restored))
+    oo.close_nvme(restored)
+
+
 def test_linked_files_share_the_store_inodes(fast_dir):
   params = child.committed_params()
   tx = child.make_tx("adamw", "nvme", fast_dir / "nvme")
@@ -412,6 +452,47 @@ def test_missing_or_corrupted_nvme_data_is_refused(fast_dir):
   p2, s2 = _restore(fast_dir / "ckpt", len(damages), params, target)
   assert _results_equal(want, child.result(p2, s2))
   oo.close_nvme(s2)
+
+
+def test_a_failed_restore_leaves_the_target_training_on(fast_dir):
+  """A restore refused half-way (a corrupted copy) leaves the target as it was, and trainable: its
+  next step equals a run that never restored."""
+  params = child.committed_params()
+  tx = child.make_tx("adamw", "nvme", fast_dir / "nvme")
+  step = child.make_step(tx)
+  p, s = child.run(step, params, tx.init(params), 0, STEP)
+  plain = oo.to_inner(s)
+  handlers = {
+    "opt_state": oo.OffloadCheckpointHandler(link=False),
+    "params": ocp.StandardCheckpointHandler(),
+  }
+  with ocp.CheckpointManager(fast_dir / "ckpt", item_handlers=handlers) as mngr:
+    mngr.save(STEP, args=child.save_args(p, s))
+    mngr.wait_until_finished()
+  # The last array's file: the groups before it are written when the restore is refused.
+  item = fast_dir / "ckpt" / str(STEP) / "opt_state" / oo.OffloadCheckpointHandler.SUBDIR
+  last = sorted((item / "process_0").glob("store_*/*"))[-1]
+  chunk = sorted(f for f in last.rglob("*") if f.is_file() and f.name != "zarr.json")[0]
+  data = bytearray(chunk.read_bytes())
+  data[len(data) // 2] ^= 0x40
+  chunk.unlink()
+  chunk.write_bytes(bytes(data))
+  written = _store_of(s).stats["bytes_written"]
+  with pytest.raises(oo.NvmeCorruptionError, match=last.name):
+    _restore(fast_dir / "ckpt", STEP, params, s)
+  oo.sync_nvme(s)
+  assert _store_of(s).stats["bytes_written"] > written
+  assert bits_equal(plain, oo.to_inner(s))
+  p, s = child.run(step, p, s, STEP, STEP + 2)
+  oo.sync_nvme(s)
+  store = _store_of(s)  # the refused restore's groups are gone
+  on_disk = sorted(d.name for d in store.directory.iterdir() if d.name.startswith("gen_"))
+  assert on_disk == [store.generation_path(g).name for g in store.generations_on_disk]
+  tx_b = child.make_tx("adamw", "nvme", fast_dir / "nvme_b")
+  p_b, s_b = child.run(child.make_step(tx_b), params, tx_b.init(params), 0, STEP + 2)
+  assert _results_equal(child.result(p_b, s_b), child.result(p, s))
+  oo.close_nvme(s)
+  oo.close_nvme(s_b)
 
 
 def test_bad_calls_are_clear_errors(fast_dir):

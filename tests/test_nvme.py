@@ -557,9 +557,13 @@ def test_pin_keeps_a_generation(tmp_path):
     store.write_initial(0, values)
     reference = _run_protocol(store, _GROUPS, dict(values), start=0, steps=1)
     store.pin(1)
+    store.pin(1)  # pins are counted: e.g. two checkpoints saving it at once
     _run_protocol(store, _GROUPS, reference, start=1, steps=3)
     store.sync()
     assert store.generations_on_disk == [1, 3, 4]
+    store.unpin(1)
+    assert "gen_00000001" in _gen_dirs(tmp_path)
+    assert json.loads((tmp_path / "MANIFEST.json").read_text())["pinned"] == [1]
     store.unpin(1)
     assert _gen_dirs(tmp_path) == ["gen_00000003", "gen_00000004"]
     with pytest.raises(ValueError, match="not a committed generation"):

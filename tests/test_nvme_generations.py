@@ -71,13 +71,18 @@ def test_committed_generations_are_immutable():
   assert gens.new_generation() == 8  # numbered after every generation put
 
 
-def test_pins_keep_a_generation_until_unpinned():
-  gens = _committed_chain(2)
-  gens.pin(1)
-  for _ in range(2):
+def _commit_on(gens: Generations, n: int) -> None:
+  """Commits `n` more generations, each made from the one before."""
+  for _ in range(n):
     g = gens.new_generation(parent=gens.head)
     gens.queue_commit(g)
     gens.commit(g)
+
+
+def test_pins_keep_a_generation_until_unpinned():
+  gens = _committed_chain(2)
+  gens.pin(1)
+  _commit_on(gens, 2)
   assert gens.committed.on_disk == (1, 2, 3)
   assert gens.unpin(1) == [1]
   assert gens.committed.on_disk == (2, 3)
@@ -85,6 +90,34 @@ def test_pins_keep_a_generation_until_unpinned():
     gens.pin(1)
   gens.pin(3)
   assert gens.unpin(3) == []  # the committed one stays
+
+
+def test_a_generation_pinned_twice_stays_until_unpinned_twice():
+  """Two checkpoints saving one generation at once: the first to finish does not release it."""
+  gens = _committed_chain(2)
+  gens.pin(1)
+  gens.pin(1)
+  _commit_on(gens, 2)
+  assert gens.committed.on_disk == (1, 2, 3)
+  assert gens.unpin(1) == []
+  assert gens.committed.on_disk == (1, 2, 3)
+  g = gens.new_generation(parent=gens.head)
+  gens.queue_commit(g)
+  assert gens.commit(g) == [2]  # still pinned once
+  assert gens.unpin(1) == [1]
+  assert gens.committed.on_disk == (3, 4)
+
+
+def test_an_abandoned_generation_leaves_the_one_before_newest():
+  gens = _committed_chain(2)
+  g = gens.new_generation()  # a restore's new lineage, which fails
+  gens.abandon(g)
+  assert (gens.head, gens.head_parent) == (1, 0)
+  assert gens.new_generation(parent=1) == g + 1  # its number is not reused
+  queued = gens.new_generation()
+  gens.queue_commit(queued)
+  gens.abandon(queued)  # queued for commit: kept
+  assert gens.head == queued
 
 
 def test_pins_of_an_earlier_process_are_dropped():

@@ -15,6 +15,7 @@ writes what it says into the manifest. Its rules:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from optax_offload._src.nvme.errors import StaleGenerationError
@@ -59,10 +60,13 @@ class Generations:
     if pinned:
       on_disk = tuple(g for g in on_disk if g in (committed.committed, committed.previous))
     self.committed = dataclasses.replace(committed, on_disk=tuple(sorted(on_disk)))
-    self.pinned: set[int] = set()
+    # Pins by generation, counted: two checkpoints may save one generation at once, and the first
+    # to finish must not release it under the other.
+    self.pinned: collections.Counter[int] = collections.Counter()
     self.last_queued_commit = self.committed.committed
     self.newest = max([self.committed.committed, *self.committed.on_disk])
     self._children: dict[int, int] = {}  # parent -> the generation last made from it
+    self._before: tuple | None = None  # (generation, head, head_parent, children) before it
     self.head: int | None = None
     self.head_parent: int | None = None
     if self.committed.committed >= 0:
@@ -83,15 +87,31 @@ class Generations:
       if self.head is None or parent not in (self.head, self.head_parent):
         newest = "none" if self.head is None else self.head
         made_from = "" if self.head_parent is None else f", made from {self.head_parent}"
+        those = "it" if self.head_parent is None else "those"
         raise StaleGenerationError(
           f"generation {parent} is stale: the newest generation is {newest}{made_from}, and a new "
-          "generation can only be made from those."
+          f"generation can only be made from {those}."
         )
+    self._before = (self.newest + 1, self.head, self.head_parent, dict(self._children))
     self.newest += 1
     if parent is not None:
       self._children = {parent: self.newest}
     self.head, self.head_parent = self.newest, parent
     return self.newest
+
+  def abandon(self, generation: int) -> None:
+    """Undoes the last `new_generation`, of `generation`, which will never be committed (a
+    restore that failed half-way): the newest generation is again the one before, so the states
+    that name it stay updatable. Its number is not handed out again. Nothing happens when another
+    generation was made since, or its commit was queued."""
+    before = self._before
+    if (
+      before is not None
+      and before[0] == generation == self.head
+      and generation > self.last_queued_commit
+    ):
+      _, self.head, self.head_parent, self._children = before
+      self._before = None
 
   def next_generation(self, generation: int) -> int:
     """The generation whose group 0 follows the last group of `generation` in the cyclic order."""
@@ -135,7 +155,7 @@ class Generations:
     previous = old.committed if parent is None else parent
     if previous not in old.on_disk:
       previous = -1
-    keep = {generation, previous} | (self.pinned & set(old.on_disk))
+    keep = {generation, previous} | (set(self.pinned) & set(old.on_disk))
     keep.discard(-1)
     self.committed = Committed(generation, previous, tuple(sorted(keep)))
     return [g for g in old.on_disk if g not in keep]
@@ -147,14 +167,20 @@ class Generations:
   # -- pins -------------------------------------------------------------------------------------------
 
   def pin(self, generation: int) -> None:
-    """Keeps a committed generation on disk until `unpin`; ValueError if it is not on disk."""
+    """Keeps a committed generation on disk until `unpin`; ValueError if it is not on disk.
+
+    Pins are counted: a generation pinned twice stays until unpinned twice."""
     self._check_on_disk(generation)
-    self.pinned.add(generation)
+    self.pinned[generation] += 1
 
   def unpin(self, generation: int) -> list[int]:
-    """Undoes `pin`; returns the generations to delete (it, unless committed or previous)."""
+    """Undoes one `pin`; returns the generations to delete (it, once no pin is left, unless it
+    is the committed or the previous one)."""
     self._check_on_disk(generation)
-    self.pinned.discard(generation)
+    if self.pinned[generation] > 1:
+      self.pinned[generation] -= 1
+      return []
+    self.pinned.pop(generation, None)
     c = self.committed
     if generation in (c.committed, c.previous):
       return []

@@ -102,7 +102,7 @@ def manifest_json(
   c = gens.committed
   specs = [[leaf.spec for leaf in group] for group in leaves]
   manifest = format_lib.Manifest(
-    c.committed, c.previous, c.on_disk, tuple(gens.pinned), format_lib.groups_json(specs)
+    c.committed, c.previous, c.on_disk, tuple(sorted(gens.pinned)), format_lib.groups_json(specs)
   )
   return format_lib.manifest_json(manifest, os.getpid(), time.time())
 

@@ -328,6 +328,13 @@ class NvmeStore:
       except StaleGenerationError as e:
         raise StaleGenerationError(f"NVMe store {self._dir}: {e}") from None
 
+  def abandon_generation(self, generation: int) -> None:
+    """Gives up `generation`, the last one `new_generation` made, before committing it (a restore
+    that failed): the generation made before it is the newest again, and the groups of
+    `generation` already put are deleted at the next commit."""
+    with self._pipeline.cond:
+      self._pipeline.gens.abandon(int(generation))
+
   def write_initial(self, generation: int, arrays: Mapping[str, np.ndarray]) -> None:
     """Writes every leaf of `generation` and commits it; returns once it is durable.
 

@@ -266,13 +266,20 @@ class NvmeTier:
 
     Returns:
       The generation, committed and durable.
+
+    When `fill` or a write raises, the generation is given up: the states that name the
+    generation before it stay updatable.
     """
     self.store.sync()
     generation = self.store.new_generation()
-    for group in range(len(self.members)):
-      self.store.put(group, generation, fill(self.store_leaves(group)))
-    self.store.commit(generation)
-    self.store.sync()
+    try:
+      for group in range(len(self.members)):
+        self.store.put(group, generation, fill(self.store_leaves(group)))
+      self.store.commit(generation)
+      self.store.sync()
+    except BaseException:
+      self.store.abandon_generation(generation)
+      raise
     return generation
 
   def write_group(self, plan_group: int, generation: int, parts: Mapping[int, Any]) -> None:
