@@ -318,6 +318,26 @@ def test_multisteps_around_offload():
   assert state.inner_opt_state.inner[0].mu["big"].sharding.memory_kind == "pinned_host"
 
 
+def test_multisteps_with_a_scalar_param_offloading_everything():
+  """min_size=0 offloads every state array but a scalar one: MultiSteps' lax.cond refused the
+  device scalar its jnp.where makes beside the host one the state held."""
+  params = jax.device_put({"s": jnp.float32(0.7), "w": jnp.ones((64, 64))}, jax.devices()[0])
+  inner = optax.sgd(1e-2, momentum=0.9)
+  plain, off = optax.MultiSteps(inner, 2), optax.MultiSteps(oo.offload(inner, min_size=0), 2)
+  p, state = params, off.init(params)
+  q, plain_state = params, plain.init(params)
+  for i in range(4):
+    grads = jax.tree.map(lambda x, v=i + 1: jnp.full_like(x, v), params)
+    updates, state = jax.jit(off.update)(grads, state, p)
+    p = optax.apply_updates(p, updates)
+    updates, plain_state = jax.jit(plain.update)(grads, plain_state, q)
+    q = optax.apply_updates(q, updates)
+  assert bits_equal(q, p)
+  trace = state.inner_opt_state.inner[0].trace
+  assert trace["w"].sharding.memory_kind == "pinned_host"
+  assert trace["s"].sharding.memory_kind == "device"
+
+
 def test_multi_transform_with_offloaded_branch():
   def labels(p):
     return jax.tree.map(lambda x: "adam" if x.ndim > 1 else "sgd", p)
@@ -528,6 +548,31 @@ def test_grads_with_other_shapes_are_refused(params):
   grads["big"] = jnp.zeros((200, 300))
   with pytest.raises(ValueError, match=r"\['big'\].*same shapes"):
     tx.update(grads, state)
+
+
+def test_a_state_of_another_transformation_is_named_as_such(tmp_path):
+  params = jax.device_put({"w": jnp.ones((64, 128)), "b": jnp.zeros(128)}, jax.devices()[0])
+  grads = jax.tree.map(jnp.ones_like, params)
+  tx = oo.offload(optax.adamw(1e-2))
+  tx.init(params)
+  for other, moment_dtype in ((optax.sgd(1e-2, momentum=0.9), None), (optax.adamw(1e-2), "int8")):
+    state = oo.offload(other, moment_dtype=moment_dtype).init(params)
+    with pytest.raises(ValueError, match="made by another transformation") as e:
+      tx.update(grads, state, params)
+    assert "inject_hyperparams" not in str(e.value)  # tx made a state
+  # Renamed leaves are named, not compared by position.
+  with pytest.raises(ValueError, match=r"only in the gradients: \['W'\]"):
+    tx.update({"W": grads["w"], "b": grads["b"]}, tx.init(params))
+  # An offload built anew at every update (inject_hyperparams around it) never made the state.
+  wrapped = optax.inject_hyperparams(
+    lambda learning_rate: oo.offload(
+      optax.adamw(learning_rate), host_limit=0, nvme_dir=str(tmp_path / "nvme")
+    )
+  )(learning_rate=1e-2)
+  state = wrapped.init(params)
+  with pytest.raises(ValueError, match=r"oo.offload\(optax.inject_hyperparams\(optax.adamw\)"):
+    jax.jit(wrapped.update)(grads, state, params)
+  oo.close_nvme(state.inner_state)
 
 
 def test_missing_params_are_reported(params):

@@ -107,7 +107,8 @@ def offload(
       master, and the returned updates (in ``master_dtype``) make
       ``optax.apply_updates(params, updates)`` equal the master rounded to the param dtype.
       `master_params` reads the masters.
-    min_size: leaves with fewer elements keep their state on the device.
+    min_size: leaves with fewer elements keep their state on the device (and every leaf its
+      scalar state arrays, whatever `min_size`).
     window_bytes: the most device memory the update's state takes at once: each group holds at
       most ``window_bytes / 2.25`` of offloaded state (the group updated, the one in transit and
       the update's temporaries). A larger leaf is streamed in row slices when its update allows it
@@ -251,6 +252,8 @@ class _Offloaded:
     )
     self.host_memory = host_memory
     self.setups: dict[tuple[tuple[int, ...], ...], setup_lib.Setup] = {}
+    # Setups an update planned from its gradients, no init having run in this process.
+    self.planned_without_init: list[setup_lib.Setup] = []
     self.layouts: dict[Any, layout_lib.StateLayout] = {}
 
   def layout_for(self, treedef) -> layout_lib.StateLayout:
@@ -304,10 +307,12 @@ class _Offloaded:
       raise ValueError(_mismatch_message(known, paths, avals))
     # No init in this process (e.g. a state restored by other means): plan from the gradients.
     options = {**self.options, "nvme_dir": None, "host_limit": None}
-    self.setups[key] = setup_lib.make_setup(
+    setup = setup_lib.make_setup(
       self.inner, jax.tree.structure(list(avals)), paths, avals, [None] * len(avals), **options
     )
-    return self.setups[key]
+    self.setups[key] = setup
+    self.planned_without_init.append(setup)
+    return setup
 
   def init(self, params: optax.Params, abstract_only: bool = False) -> OffloadState:
     inner = self.inner
@@ -418,7 +423,9 @@ class _Offloaded:
     avals = [jax.ShapeDtypeStruct(jnp.shape(g), d) for g, d in zip(grads, dtypes)]
     setup = self.setup_for_update(paths, avals)
     layout = self.layout_for(treedef)
-    shared, per_leaf = _split_checked(setup, layout, state.inner, paths)
+    shared, per_leaf = _split_checked(
+      setup, layout, state.inner, paths, any(setup is s for s in self.planned_without_init)
+    )
     if not grads:
       new_updates, new_inner = self.inner.update(updates, state.inner, params, **extra_args)
       return (params if apply else new_updates), state._replace(inner=new_inner)
@@ -512,6 +519,13 @@ def _mismatch_message(known: setup_lib.Setup, paths: Sequence[str], avals) -> st
       f"initialised with ({difference}). Pass gradients with the same structure as the params "
       "given to tx.init."
     )
+  ours, theirs = [norm(p) for p in known.paths], [norm(p) for p in paths]
+  if ours != theirs:
+    return (
+      "offload: the gradients' leaves are not those of the params the optimizer state was "
+      f"initialised with ({_path_difference(ours, theirs, 'tx.init params', 'the gradients')}). "
+      "Pass gradients with the same structure as the params given to tx.init."
+    )
   for path, aval, want in zip(paths, avals, known.param_shapes):
     if tuple(aval.shape) != want:
       return (
@@ -545,16 +559,34 @@ def _path_difference(a: Sequence[str], b: Sequence[str], a_name: str, b_name: st
   return "; ".join(parts) or "same leaves, different container types"
 
 
-def _split_checked(setup: setup_lib.Setup, layout, inner_state, paths):
+def _split_checked(
+  setup: setup_lib.Setup, layout, inner_state, paths, planned_without_init: bool = False
+):
   """Splits the state, with errors that name the leaf when it does not match the gradients or lost
-  its placement."""
+  its placement. `planned_without_init`: this transformation planned `setup` from the gradients,
+  never having made a state (its errors then say why that may be)."""
+  other = (
+    " Either the gradients differ from the params given to tx.init, or the state was made by "
+    "another transformation (another inner optimizer, master_dtype, moment_dtype or placement): "
+    "pass gradients with the structure and shapes of those params, and update a state with the "
+    "transformation whose init made it."
+  )
+  if planned_without_init:
+    other += (
+      " This transformation made no state in this process (no tx.init on it), so it planned "
+      "from the gradients, without nvme_dir and host_limit. If it is built anew for each update, "
+      "as optax.inject_hyperparams(lambda learning_rate: oo.offload(...)) does, build it once "
+      "with the hyper-parameters inside: oo.offload(optax.inject_hyperparams(optax.adamw)("
+      "learning_rate=...)). A state restored in another process is updated after tx.init of the "
+      "transformation (oo.OffloadRestore restores into its state)."
+    )
   try:
     shared, per_leaf = layout.split(inner_state)
   except (ValueError, TypeError) as e:
+    detail = str(e).split(";")[0][:300]  # without the state's values
     raise ValueError(
-      "offload: the gradients' tree structure does not match the tree the optimizer state was "
-      f"initialised with ({e}). Pass gradients with the same structure as the params given to "
-      "tx.init."
+      "offload: the optimizer state does not fit the gradients: its tree structure is not the one "
+      f"this transformation's inner optimizer makes for them ({detail}).{other}"
     ) from None
   for path, want_shapes, got, tiers in zip(paths, setup.part_shapes, per_leaf, setup.array_tiers):
     got_arrays = jax.tree.leaves(got)
@@ -563,8 +595,7 @@ def _split_checked(setup: setup_lib.Setup, layout, inner_state, paths):
     if want_shapes != got_shapes:
       raise ValueError(
         f"offload: gradient leaf {path} does not match the optimizer state: its state has shapes "
-        f"{got_shapes} but a gradient of this shape needs {want_shapes}. Pass gradients with the "
-        "same shapes as the params given to tx.init."
+        f"{got_shapes} but this transformation needs {want_shapes} for it ((0,): on NVMe).{other}"
       )
     for x, tier in zip(got_arrays, tiers):
       if tier is plan_lib.Tier.HOST and not memory.in_host(x):

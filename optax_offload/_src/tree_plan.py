@@ -97,7 +97,8 @@ class TreeLeaves:
     parts: each leaf's state part, abstract (`jax.ShapeDtypeStruct` trees).
     dims: per leaf, how many leading axes each array of its part shares with the param.
     leaves: one `plan.LeafInfo` per leaf.
-    min_size: leaves with fewer elements, and state arrays with fewer, stay on the device.
+    min_size: leaves with fewer elements, and state arrays with fewer (and scalar ones), stay on
+      the device.
     shared_bytes: bytes of the shared leaves held by this process (one copy per device of the
       params' mesh, as the state places them).
   """
@@ -171,15 +172,24 @@ def unsharded_axes(sharding: Any) -> int:
 
 
 def array_tiers(part: Any, tier: plan_lib.Tier, min_size: int) -> tuple[plan_lib.Tier, ...]:
-  """The leaf's tier for each of its state arrays, but arrays below `min_size` stay on device.
+  """The leaf's tier for each of its state arrays, but arrays below `min_size`, and scalars, stay
+  on device.
 
   Besides saving transfers of tiny arrays (e.g. adafactor's (1,) placeholders), this keeps
   JAX's donation matching right: it pairs donated inputs to outputs by shape and dtype, ignoring
   memory kinds, so a tiny host array and a tiny device array of the same shape could be swapped.
+  A scalar stays even with ``min_size`` 0 or 1: optax computes scalar states anew in device memory
+  (``optax.MultiSteps``' ``jnp.where`` between the new and the old state gives a device scalar,
+  which its ``lax.cond`` refuses beside a host one).
   """
   return tuple(
-    tier if math.prod(x.shape) >= min_size else plan_lib.Tier.DEVICE for x in jax.tree.leaves(part)
+    tier if _placeable(x, min_size) else plan_lib.Tier.DEVICE for x in jax.tree.leaves(part)
   )
+
+
+def _placeable(x: Any, min_size: int) -> bool:
+  """Whether a state array may leave the device: not a scalar, and `min_size` elements or more."""
+  return len(x.shape) > 0 and math.prod(x.shape) >= min_size
 
 
 def _placed_arrays(part: Any, size: int, min_size: int) -> list[Any]:
@@ -189,7 +199,7 @@ def _placed_arrays(part: Any, size: int, min_size: int) -> list[Any]:
   arrays = jax.tree.leaves(part)
   if size < min_size:
     return arrays
-  return [x for x in arrays if math.prod(x.shape) >= min_size]
+  return [x for x in arrays if _placeable(x, min_size)]
 
 
 def derive_leaves(
