@@ -570,7 +570,10 @@ def test_a_state_of_another_transformation_is_named_as_such(tmp_path):
     )
   )(learning_rate=1e-2)
   state = wrapped.init(params)
-  with pytest.raises(ValueError, match=r"oo.offload\(optax.inject_hyperparams\(optax.adamw\)"):
+  with (
+    pytest.warns(UserWarning, match="updates a state it did not make"),
+    pytest.raises(ValueError, match=r"oo.offload\(optax.inject_hyperparams\(optax.adamw\)"),
+  ):
     jax.jit(wrapped.update)(grads, state, params)
   oo.close_nvme(state.inner_state)
 

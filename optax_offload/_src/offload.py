@@ -306,6 +306,14 @@ class _Offloaded:
       (known,) = list(self.setups.values())[-1:]
       raise ValueError(_mismatch_message(known, paths, avals))
     # No init in this process (e.g. a state restored by other means): plan from the gradients.
+    warnings.warn(
+      "offload: this transformation updates a state it did not make (no tx.init on it in this "
+      "process), so it plans from the gradients, without nvme_dir and host_limit. If it is built "
+      "anew for each update, as optax.inject_hyperparams(lambda learning_rate: oo.offload(...)) "
+      "does, build it once with the hyper-parameters inside: "
+      "oo.offload(optax.inject_hyperparams(optax.adamw)(learning_rate=...)).",
+      stacklevel=3,
+    )
     options = {**self.options, "nvme_dir": None, "host_limit": None}
     setup = setup_lib.make_setup(
       self.inner, jax.tree.structure(list(avals)), paths, avals, [None] * len(avals), **options
