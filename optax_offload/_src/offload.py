@@ -322,6 +322,11 @@ class _Offloaded:
     self.planned_without_init.append(setup)
     return setup
 
+  def split_checked(self, setup: setup_lib.Setup, layout, inner_state, paths):
+    """`_split_checked`, saying so where this transformation planned `setup` without an init."""
+    without_init = any(setup is s for s in self.planned_without_init)
+    return _split_checked(setup, layout, inner_state, paths, without_init)
+
   def init(self, params: optax.Params, abstract_only: bool = False) -> OffloadState:
     inner = self.inner
     if layout_lib.is_placeholder(params):  # optax.tree_utils.tree_map_params asks for the layout
@@ -431,9 +436,7 @@ class _Offloaded:
     avals = [jax.ShapeDtypeStruct(jnp.shape(g), d) for g, d in zip(grads, dtypes)]
     setup = self.setup_for_update(paths, avals)
     layout = self.layout_for(treedef)
-    shared, per_leaf = _split_checked(
-      setup, layout, state.inner, paths, any(setup is s for s in self.planned_without_init)
-    )
+    shared, per_leaf = self.split_checked(setup, layout, state.inner, paths)
     if not grads:
       new_updates, new_inner = self.inner.update(updates, state.inner, params, **extra_args)
       return (params if apply else new_updates), state._replace(inner=new_inner)

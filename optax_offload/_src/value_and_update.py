@@ -253,7 +253,7 @@ class _Step:
     self.diff_leaves = [v.generation if i in self.on_disk else v for i, v in enumerate(leaves)]
     setup = off.setup_for_update(paths, avals)
     layout = off.layout_for(treedef)
-    shared, per_leaf = offload_lib._split_checked(setup, layout, off_state.inner, paths)
+    shared, per_leaf = off.split_checked(setup, layout, off_state.inner, paths)
     if self.k > 1:
       for b in jax.tree.leaves(batch):
         if jnp.ndim(b) < 1 or jnp.shape(b)[0] != self.k:
