@@ -194,6 +194,14 @@ def test_master_dtype_bad_input():
     oo.offload(optax.adam(1e-2), master_dtype=jnp.bfloat16).init(params)
   with pytest.raises(ValueError, match="floating dtype"):
     oo.offload(optax.adam(1e-2), master_dtype=jnp.int32)
+  with pytest.raises(ValueError, match="needs jax_enable_x64"):  # it would be a float32 copy
+    oo.offload(optax.adam(1e-2), master_dtype=jnp.float64)
+  with pytest.raises(ValueError, match="Unknown master_dtype 'fp33'"):
+    oo.offload(optax.adam(1e-2), master_dtype="fp33")
+  # Short names, as oo.estimate and moment_dtype take them.
+  a = oo.offload(optax.adam(1e-2), window_bytes="1GiB", master_dtype="fp32").init(params)
+  b = oo.offload(optax.adam(1e-2), window_bytes="1GiB", master_dtype=jnp.float32).init(params)
+  assert oo.footprint(a) == oo.footprint(b)
 
 
 # --- gradients born on the host ------------------------------------------------------------------

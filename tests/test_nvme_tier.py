@@ -473,6 +473,19 @@ def test_update_after_close_nvme_is_refused(how, tmp_path):
   assert sorted(p.name for p in (tmp_path / "process_0").glob("gen_*")) == on_disk
 
 
+def test_close_and_sync_after_close_do_nothing_and_an_empty_nvme_dir_is_refused(tmp_path):
+  params = make_params()
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+  )
+  state = tx.init(params)
+  oo.close_nvme(state)
+  oo.close_nvme(state)  # e.g. a `finally:` after an explicit close
+  oo.sync_nvme(state)
+  with pytest.raises(ValueError, match="nvme_dir is empty"):
+    oo.offload(optax.adam(1e-2), host_limit=0, nvme_dir="")
+
+
 def test_init_after_close_nvme_with_the_same_jitted_update(tmp_path):
   # The fix the close_nvme error names; the jitted step compiled before the close is reused.
   params = make_params()

@@ -52,6 +52,7 @@ from optax_offload._src.units import parse_accumulator_dtype
 from optax_offload._src.units import parse_bytes
 from optax_offload._src.units import parse_count
 from optax_offload._src.units import parse_dtype
+from optax_offload._src.units import parse_master_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,7 +633,7 @@ def estimate(
   nvme_size = parse_bytes(nvme_size, "nvme_size")
   activations = parse_bytes(activation_bytes, "activation_bytes") or 0
   window = tree_plan.window_bytes(window, device_memory)
-  master = _parse_master(master_dtype)
+  master = parse_master_dtype(master_dtype)
   moments = compress.parse_moment_dtype(moment_dtype)
   capacity, checked_at = nvme_size, None
   if nvme_dir is not None:
@@ -797,13 +798,6 @@ def estimate(
   return host_budget.plan_update_in_backward(
     finished, update_in_backward, stack, update_on, host_memory, accumulate
   )
-
-
-def _parse_master(master_dtype: Any) -> np.dtype | None:
-  master = None if master_dtype is None else parse_dtype(master_dtype, "master_dtype")
-  if master is not None and not jnp.issubdtype(master, jnp.floating):
-    raise ValueError(f"master_dtype must be a floating dtype, got {master}.")
-  return master
 
 
 def _count_needs_master(dtype: np.dtype, master: np.dtype) -> bool:

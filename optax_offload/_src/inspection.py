@@ -188,18 +188,22 @@ def sync_nvme(state: Any) -> None:
   """Blocks until every NVMe write and commit queued by updates of `state` is durable.
 
   Background write errors (disk full, I/O errors) are raised here, naming the leaf and the file.
-  A no-op for states without an NVMe tier.
+  A no-op for states without an NVMe tier, and for a tier closed in this process (`close_nvme`
+  made it durable).
   """
   for s in _offload_states(state):
     if int(s.nvme_store) >= 0:
-      nvme_tier.lookup(s.nvme_store).sync()
+      tier = nvme_tier.lookup(s.nvme_store, closed_ok=True)
+      if not tier.closed:
+        tier.sync()
 
 
 def close_nvme(state: Any) -> None:
   """Waits for pending NVMe writes, stops the store's threads and releases its directory lock.
 
   The state can no longer be updated afterwards; a new ``tx.init`` opens the directory again.
+  Closing again (this state, or another of the same tier) does nothing.
   """
   for s in _offload_states(state):
     if int(s.nvme_store) >= 0:
-      nvme_tier.lookup(s.nvme_store).close()
+      nvme_tier.lookup(s.nvme_store, closed_ok=True).close()

@@ -102,7 +102,7 @@ def offload(
     update_on: ``"device"`` streams state groups to the accelerator and updates them there;
       ``"host"`` runs each group's update on the host next to its state (ZeRO-Offload style): only
       gradients go to the host and updates come back.
-    master_dtype: e.g. ``jnp.float32``: keep a master copy of every param narrower than it (bf16,
+    master_dtype: e.g. ``jnp.float32`` (or ``"fp32"``): keep a master copy of every param narrower than it (bf16,
       fp16; not of integer params) in the offloaded state; the inner transformation updates the
       master, and the returned updates (in ``master_dtype``) make
       ``optax.apply_updates(params, updates)`` equal the master rounded to the param dtype.
@@ -156,19 +156,14 @@ def offload(
     {'device': 1036, 'host': 65536, 'nvme': 0}
   """
   window = units.check_options(update_on, min_size, window_bytes)
-  if master_dtype is not None:
-    try:
-      master_dtype = jnp.dtype(master_dtype)
-    except TypeError:
-      raise TypeError(
-        f"master_dtype must be a dtype such as jnp.float32, got {master_dtype!r}."
-      ) from None
-    if not jnp.issubdtype(master_dtype, jnp.floating):
-      raise ValueError(
-        f"master_dtype must be a floating dtype such as jnp.float32, got {master_dtype}."
-      )
+  master_dtype = units.parse_master_dtype(master_dtype)
   if nvme_dir is not None and not isinstance(nvme_dir, str | os.PathLike):
     raise TypeError(f"nvme_dir must be a directory path, got {type(nvme_dir).__name__}.")
+  if nvme_dir is not None and not os.fspath(nvme_dir).strip():
+    raise ValueError(
+      "nvme_dir is empty (an unset environment variable?): give the directory on the NVMe drive, "
+      "or None for no NVMe tier. Use nvme_dir='.' for the current directory."
+    )
   nvme_options = nvme.NvmeOptions.of(nvme_options)
   host_limit_bytes = units.parse_bytes(host_limit, "host_limit")
   host_memory_bytes = units.parse_bytes(host_memory, "host_memory")

@@ -10,6 +10,7 @@ import math
 import re
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -89,6 +90,27 @@ def parse_count(value: int | float | str, name: str = "params") -> int:
   if not math.isfinite(value) or count < 1:
     raise ValueError(f"{name} must be a positive parameter count, got {value!r}.")
   return count
+
+
+def parse_master_dtype(value: Any) -> np.dtype | None:
+  """The dtype of a master copy (`offload`'s and `estimate`'s ``master_dtype``): None, or a
+  floating dtype as `parse_dtype` takes it; float64 only where JAX computes in it (x64).
+
+  Examples:
+    >>> parse_master_dtype("fp32"), parse_master_dtype(None)
+    (dtype('float32'), None)
+  """
+  if value is None:
+    return None
+  master = parse_dtype(value, "master_dtype")
+  if not jnp.issubdtype(master, jnp.floating):
+    raise ValueError(f"master_dtype must be a floating dtype such as jnp.float32, got {master}.")
+  if master.itemsize > 4 and not jax.config.jax_enable_x64:
+    raise ValueError(
+      f"master_dtype {master} needs jax_enable_x64: without it JAX computes in float32, and the "
+      "copy would be a float32 one taking more memory. Use jnp.float32."
+    )
+  return master
 
 
 def parse_dtype(value: Any, name: str = "param_dtype") -> np.dtype:
