@@ -102,9 +102,9 @@ def offload(
     update_on: ``"device"`` streams state groups to the accelerator and updates them there;
       ``"host"`` runs each group's update on the host next to its state (ZeRO-Offload style): only
       gradients go to the host and updates come back.
-    master_dtype: e.g. ``jnp.float32`` (or ``"fp32"``): keep a master copy of every param narrower than it (bf16,
-      fp16; not of integer params) in the offloaded state; the inner transformation updates the
-      master, and the returned updates (in ``master_dtype``) make
+    master_dtype: e.g. ``jnp.float32`` (or ``"fp32"``): keep a master copy of every param
+      narrower than it (bf16, fp16; not of integer params) in the offloaded state; the inner
+      transformation updates the master, and the returned updates (in ``master_dtype``) make
       ``optax.apply_updates(params, updates)`` equal the master rounded to the param dtype.
       `master_params` reads the masters.
     min_size: leaves with fewer elements keep their state on the device (and every leaf its
