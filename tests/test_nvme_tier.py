@@ -348,13 +348,15 @@ def test_full_filesystem_keeps_the_last_committed_generation(tmp_path, how):
     # 0.48 MB per generation: two fit, the third (written while two are kept) does not.
     p, state = train(tx, params, 1)
     oo.sync_nvme(state)
-    last_good = int(state.nvme_generation)
+    last_good, good = int(state.nvme_generation), state
     # Inside a jitted step the error surfaces through XLA's callback error, message included.
     with pytest.raises((oo.NvmeError, jax.errors.JaxRuntimeError), match="disk looks full"):
       for t in range(10):
         u, state = tx.update(make_grads(p, t), state, p)
         oo.sync_nvme(state)
-        last_good = int(state.nvme_generation)
+        last_good, good = int(state.nvme_generation), state
+    # The last committed state stays readable, to save it (helper review /tmp/revF).
+    saved = oo.to_inner(good)
     # A later use says what to do (it re-raised the same error, helper review /tmp/revB).
     with pytest.raises(oo.NvmeError, match=r"close it and open it again: oo.close_nvme\(state\)"):
       oo.sync_nvme(state)
@@ -365,7 +367,27 @@ def test_full_filesystem_keeps_the_last_committed_generation(tmp_path, how):
       pass
     with nvme.NvmeStore(store_dir, nvme.stored_groups(store_dir), create=False) as store:
       assert store.committed_generation == last_good
-      store.read_generation()  # intact and verified
+      data = store.read_generation()  # intact and verified
+    mu = _joined_slices(data, "leaf00000_part0_shard0000")
+    assert np.array_equal(mu, np.asarray(saved[0].mu["big"]))
+
+
+def test_an_init_that_fails_on_a_full_disk_can_be_retried(tmp_path):
+  """The failed init's store is closed: its directory is not left locked by a broken store, and
+  the same transformation initialises once there is room (helper review /tmp/revF)."""
+  params = make_params()
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path / "d")
+  )
+  with small_disk(tmp_path / "d", 100 << 10, "injected"):
+    with pytest.raises(oo.NvmeError, match="disk looks full"):
+      tx.init(params)
+  state = tx.init(params)  # room again
+  try:
+    _, ref = train(oo.offload(optax.adam(1e-2), window_bytes=WINDOW), params, 0)
+    assert bits_equal(oo.to_inner(ref), oo.to_inner(state))
+  finally:
+    oo.close_nvme(state)
 
 
 def _reference_states(steps):

@@ -384,9 +384,18 @@ class _Offloaded:
         )
       return place(*concrete)
     if setup.nvme is not None:
-      _init_nvme(
-        inner, setup, generation, lambda c: treedef.unflatten(leaves_of(c)), concrete, rows
-      )
+      try:
+        _init_nvme(
+          inner, setup, generation, lambda c: treedef.unflatten(leaves_of(c)), concrete, rows
+        )
+      except BaseException:
+        # No state names the store: close it (its directory unlocked), so that init again opens
+        # it afresh (e.g. once the disk has room) instead of meeting the failed store.
+        try:
+          setup.close()
+        except Exception as e:  # the store's own error, which the caller is given already
+          logger.debug("offload: closing the NVMe store of a failed init: %s", e)
+        raise
     return jax.jit(place, out_shardings=placed)(*concrete)
 
   def update(

@@ -272,7 +272,12 @@ class Pipeline:
   def read_generation(self, generation: int | None) -> dict[str, np.ndarray]:
     with self.cond:
       self.check_open_locked()
-      if generation is None:
+      if self.error is not None:
+        # A failed write stopped the store: its committed generations are intact, and reading
+        # them (to save or inspect the state) is what a user does next.
+        if generation is None:
+          generation = self.gens.committed.committed
+      elif generation is None:
         self._wait_for_commits_locked(self.gens.last_queued_commit)
         generation = self.gens.committed.committed
       else:
@@ -341,12 +346,13 @@ class Pipeline:
     if self._error_reported and isinstance(self.error, NvmeWriteError):  # (a later call)
       committed = self.gens.committed.committed
       kept = (
-        f"its last committed generation ({committed}) is intact on disk"
+        f"its last committed generation ({committed}) is intact on disk, and readable until the "
+        "store is closed (oo.to_inner of the state that names it, e.g. to save it)"
         if committed >= 0
         else "nothing was committed yet"
       )
       raise NvmeWriteError(
-        f"{self.error} The store stopped at that error and refuses every use since: {kept}. Once "
+        f"{self.error} The store stopped at that error and refuses every write since: {kept}. Once "
         "the cause is fixed (e.g. space freed), close it and open it again: oo.close_nvme(state) "
         "and restore the state, or oo.close_nvme_stack(leaves) and oo.open_nvme_stack."
       ) from self.error
