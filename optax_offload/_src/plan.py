@@ -138,6 +138,9 @@ class LeafInfo:
       slices, whichever tier holds it (the NVMe tier stores the slices apart).
     moving_bytes: bytes of the param and its gradient per device when they live in host memory
       (weights offloaded too): they stream through the window with the state.
+    nvme_bytes: bytes of that state this process keeps on NVMe when the leaf goes there: its
+      local devices' distinct shards, once each (a replicated leaf once per process). Defaults to
+      `process_bytes`.
   """
 
   path: str
@@ -146,11 +149,18 @@ class LeafInfo:
   process_bytes: int | None = None
   rows: int = 0
   moving_bytes: int = 0
+  nvme_bytes: int | None = None
 
   @property
   def held_bytes(self) -> int:
     """`process_bytes`, or `state_bytes` when it is not given."""
     return self.state_bytes if self.process_bytes is None else self.process_bytes
+
+  def bytes_in(self, tier: Tier) -> int:
+    """Bytes of this leaf's state that this process keeps in `tier`."""
+    if tier is Tier.NVME and self.nvme_bytes is not None:
+      return self.nvme_bytes
+    return self.held_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +320,7 @@ def make_plan(
 
   bytes_per_tier = {t.value: 0 for t in Tier}
   for leaf, tier in zip(leaves, tiers):
-    bytes_per_tier[tier.value] += leaf.held_bytes
+    bytes_per_tier[tier.value] += leaf.bytes_in(tier)
   return Plan(tuple(tiers), units, window_bytes, bytes_per_tier)
 
 

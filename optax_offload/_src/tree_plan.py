@@ -161,6 +161,32 @@ def local_devices(sharding: Any) -> int:
   return sum(d.process_index == jax.process_index() for d in sharding.device_set)
 
 
+def distinct_local_shards(sharding: Any, shape: Sequence[int]) -> int:
+  """How many distinct shards of an array with `sharding` this process's devices hold: what the
+  NVMe tier stores, once each (`nvme_tier.shards`).
+
+  On an `jax.sharding.AbstractMesh`, one process is taken to hold the whole mesh.
+  """
+  if sharding is None:
+    return 1
+  mesh = getattr(sharding, "mesh", None)
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    used = {a for entry in sharding.spec if entry is not None for a in _axis_names(entry)}
+    return math.prod(mesh.shape[a] for a in used)
+  indices = sharding.devices_indices_map(tuple(shape))
+  return len(
+    {
+      tuple((i.start, i.stop) for i in index)
+      for d, index in indices.items()
+      if d.process_index == jax.process_index()
+    }
+  )
+
+
+def _axis_names(entry: Any) -> tuple[str, ...]:
+  return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+
+
 def unsharded_axes(sharding: Any) -> int:
   """How many leading axes of a param are not sharded (at most 2)."""
   if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
@@ -262,7 +288,13 @@ def derive_leaves(
     moving = 2 * shard_bytes(a, a.shape, s) if memory.is_pinned_host(s) else 0
     leaves.append(
       plan_lib.LeafInfo(
-        path, size, per_device, per_device * local_devices(s), rows=n, moving_bytes=moving
+        path,
+        size,
+        per_device,
+        per_device * local_devices(s),
+        rows=n,
+        moving_bytes=moving,
+        nvme_bytes=per_device * distinct_local_shards(s, a.shape),
       )
     )
   default = next((s for s in shardings if s is not None), None)
