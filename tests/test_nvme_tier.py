@@ -386,6 +386,11 @@ def test_an_init_that_fails_on_a_full_disk_can_be_retried(tmp_path):
   try:
     _, ref = train(oo.offload(optax.adam(1e-2), window_bytes=WINDOW), params, 0)
     assert bits_equal(oo.to_inner(ref), oo.to_inner(state))
+    # An init that fails on the store of a live state leaves that store open: the state reads.
+    with small_disk(tmp_path / "d", 100 << 10, "injected"):
+      with pytest.raises(oo.NvmeError, match="disk looks full"):
+        tx.init(params)
+    assert bits_equal(oo.to_inner(ref), oo.to_inner(state))
   finally:
     oo.close_nvme(state)
 

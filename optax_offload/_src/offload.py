@@ -339,6 +339,7 @@ class _Offloaded:
     if self.master_dtype is not None:
       master_lib.check_master_dtype(values, paths, self.master_dtype)
     traced = any(isinstance(v, jax.core.Tracer) for v in values)
+    known = list(self.setups.values())
     setup = self.setup_for_init(treedef, paths, avals, shardings, params, traced)
     layout = self.layout_for(treedef)
     rows = {}  # leaf -> its rows, read per NVMe group (`_init_nvme`)
@@ -389,12 +390,14 @@ class _Offloaded:
           inner, setup, generation, lambda c: treedef.unflatten(leaves_of(c)), concrete, rows
         )
       except BaseException:
-        # No state names the store: close it (its directory unlocked), so that init again opens
-        # it afresh (e.g. once the disk has room) instead of meeting the failed store.
-        try:
-          setup.close()
-        except Exception as e:  # the store's own error, which the caller is given already
-          logger.debug("offload: closing the NVMe store of a failed init: %s", e)
+        # A store this init opened is named by no state: close it (its directory unlocked), so
+        # that init again opens it afresh (e.g. once the disk has room) instead of meeting the
+        # failed store. One an earlier init opened stays open for that init's states.
+        if all(setup is not s for s in known):
+          try:
+            setup.close()
+          except Exception as e:  # the store's own error, which the caller is given already
+            logger.debug("offload: closing the NVMe store of a failed init: %s", e)
         raise
     return jax.jit(place, out_shardings=placed)(*concrete)
 
