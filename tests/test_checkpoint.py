@@ -408,21 +408,23 @@ def test_restore_into_a_different_tree_is_refused(fast_dir):
   assert _digest(fast_dir / "ckpt") == before
 
 
-def _damage(item: pathlib.Path, how: str) -> str:
-  """Damages the NVMe data of a checkpoint item; returns a path the error must name."""
+def _damage(item: pathlib.Path, how: str, which: int = 0) -> str:
+  """Damages the NVMe data of a checkpoint item (its array `which`, in name order); returns a path
+  the error must name."""
   arrays = sorted((item / oo.OffloadCheckpointHandler.SUBDIR / "process_0").glob("store_*/*"))
-  chunks = sorted(p for p in arrays[0].rglob("*") if p.is_file() and p.name != "zarr.json")
+  array = arrays[which]
+  chunks = sorted(p for p in array.rglob("*") if p.is_file() and p.name != "zarr.json")
   if how == "missing_array":
-    shutil.rmtree(arrays[0])
-    return str(arrays[0])
+    shutil.rmtree(array)
+    return str(array)
   if how == "missing_chunk":
     chunks[0].unlink()
-    return str(arrays[0])
+    return str(array)
   data = bytearray(chunks[0].read_bytes())
   data[len(data) // 2] ^= 0x40
   chunks[0].unlink()  # a new file: the old one may still be a name of the store's data
   chunks[0].write_bytes(bytes(data))
-  return str(arrays[0])
+  return str(array)
 
 
 def test_missing_or_corrupted_nvme_data_is_refused(fast_dir):
@@ -470,15 +472,9 @@ def test_a_failed_restore_leaves_the_target_training_on(fast_dir):
     mngr.save(STEP, args=child.save_args(p, s))
     mngr.wait_until_finished()
   # The last array's file: the groups before it are written when the restore is refused.
-  item = fast_dir / "ckpt" / str(STEP) / "opt_state" / oo.OffloadCheckpointHandler.SUBDIR
-  last = sorted((item / "process_0").glob("store_*/*"))[-1]
-  chunk = sorted(f for f in last.rglob("*") if f.is_file() and f.name != "zarr.json")[0]
-  data = bytearray(chunk.read_bytes())
-  data[len(data) // 2] ^= 0x40
-  chunk.unlink()
-  chunk.write_bytes(bytes(data))
+  last = _damage(fast_dir / "ckpt" / str(STEP) / "opt_state", "flipped_bit", which=-1)
   written = _store_of(s).stats["bytes_written"]
-  with pytest.raises(oo.NvmeCorruptionError, match=last.name):
+  with pytest.raises(oo.NvmeCorruptionError, match=pathlib.Path(last).name):
     _restore(fast_dir / "ckpt", STEP, params, s)
   oo.sync_nvme(s)
   assert _store_of(s).stats["bytes_written"] > written

@@ -36,6 +36,7 @@ from optax_offload._src import memory
 from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
 from optax_offload._src import update_dtypes
+from optax_offload._src.nvme_tier import shards as shards_lib
 
 
 def offloaded_inner(
@@ -173,14 +174,9 @@ def distinct_local_shards(sharding: Any, shape: Sequence[int]) -> int:
   if isinstance(mesh, jax.sharding.AbstractMesh):
     used = {a for entry in sharding.spec if entry is not None for a in _axis_names(entry)}
     return math.prod(mesh.shape[a] for a in used)
-  indices = sharding.devices_indices_map(tuple(shape))
-  return len(
-    {
-      tuple((i.start, i.stop) for i in index)
-      for d, index in indices.items()
-      if d.process_index == jax.process_index()
-    }
-  )
+  _, number = shards_lib.shard_regions(sharding, shape)
+  here = {d.id for d in sharding.device_set if d.process_index == jax.process_index()}
+  return len({n for device, n in number.items() if device in here})
 
 
 def _axis_names(entry: Any) -> tuple[str, ...]:

@@ -66,7 +66,7 @@ class Generations:
     self.last_queued_commit = self.committed.committed
     self.newest = max([self.committed.committed, *self.committed.on_disk])
     self._children: dict[int, int] = {}  # parent -> the generation last made from it
-    self._before: tuple | None = None  # (generation, head, head_parent, children) before it
+    self._before: tuple | None = None  # (new lineage, head, head_parent, children) before it
     self.head: int | None = None
     self.head_parent: int | None = None
     if self.committed.committed >= 0:
@@ -92,7 +92,10 @@ class Generations:
           f"generation {parent} is stale: the newest generation is {newest}{made_from}, and a new "
           f"generation can only be made from {those}."
         )
-    self._before = (self.newest + 1, self.head, self.head_parent, dict(self._children))
+    # What `abandon` restores; only a new lineage (a restore) is ever given up.
+    self._before = (
+      (self.newest + 1, self.head, self.head_parent, self._children) if parent is None else None
+    )
     self.newest += 1
     if parent is not None:
       self._children = {parent: self.newest}
