@@ -15,8 +15,8 @@ Usage:
     that generation; prints "exiting GENERATION" last.
   python nvme_tier_child.py malloc NVME_DIR RECIPE
     Trains 4 steps with 64 MiB of adamw state on NVMe (XLA's temporary buffer of a step: over the
-    32 MiB that glibc maps afresh), runs the Python file RECIPE, then trains 4 more steps; prints
-    the page faults of each step (MiB of first touches) as "before F F F F" and "after F F F F".
+    32 MiB that glibc maps afresh), runs the Python file RECIPE, then trains 6 more steps; prints
+    the page faults of each step (MiB of first touches) as "before F F F F" and "after F ...".
 """
 
 import resource
@@ -110,10 +110,10 @@ def malloc_recipe(nvme_dir, recipe):
   step = make_step(tx)
   state = tx.init(params)
 
-  def faults():
+  def faults(steps):
     nonlocal params, state
     out = []
-    for _ in range(4):
+    for _ in range(steps):
       before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
       params, state = step(params, state, grads)
       jax.block_until_ready(state)
@@ -121,10 +121,10 @@ def malloc_recipe(nvme_dir, recipe):
       out.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * 4096 / 2**20)
     return " ".join(f"{f:.2f}" for f in out)
 
-  print("before", faults(), flush=True)
+  print("before", faults(4), flush=True)
   with open(recipe) as f:
     exec(compile(f.read(), recipe, "exec"), {})
-  print("after", faults(), flush=True)
+  print("after", faults(6), flush=True)
   oo.close_nvme(state)
 
 
