@@ -262,7 +262,17 @@ class Pipeline:
   def pin(self, generation: int, pinned: bool) -> None:
     op = _Pin(generation, pinned)
     with self.cond:
-      self.check_usable_locked()
+      self.check_open_locked()
+      if self.error is not None:
+        # A failed write stopped the store: it commits and deletes nothing more, so a pin (a
+        # checkpoint of the last good state, which reads may still copy) is only counted, not
+        # written to a manifest the disk may refuse. What an unpin leaves goes at the reopening.
+        if pinned:
+          self.gens.pin(generation)
+        else:
+          self.gens.unpin(generation)
+        return
+      self._raise_error_locked()
       self._queue.append(op)
       self.cond.notify_all()
     op.done.wait()

@@ -237,8 +237,15 @@ class NvmeTier:
     self.store.sync()
 
   def has_generation(self, generation: int) -> bool:
-    """Whether `generation` is committed and still on disk, once queued commits are durable."""
-    self.store.sync()
+    """Whether `generation` is committed and still on disk, once queued commits are durable.
+
+    A store that a failed write stopped commits nothing more: its generations on disk are read
+    (e.g. saved) as they are, the error said by its next write or `sync`.
+    """
+    try:
+      self.store.sync()
+    except nvme.NvmeError:  # only the error that stopped the store
+      pass
     return int(generation) in self.store.generations_on_disk
 
   def pin(self, generation: int) -> None:
