@@ -357,7 +357,8 @@ class Pipeline:
       committed = self.gens.committed.committed
       kept = (
         f"its last committed generation ({committed}) is intact on disk, and readable until the "
-        "store is closed (oo.to_inner of the state that names it, e.g. to save it)"
+        "store is closed (oo.to_inner of the state that names it, or oo.OffloadSave of it to "
+        "checkpoint it)"
         if committed >= 0
         else "nothing was committed yet"
       )
