@@ -842,6 +842,16 @@ def run(args) -> dict:
   return result
 
 
+def unavailable() -> str | None:
+  """Why this run cannot measure here (no GPU), or None; ``python -m benchmarks`` skips it then."""
+  if jax.default_backend() == "gpu":
+    return None
+  return (
+    f"no GPU (JAX backend {jax.default_backend()!r}): `python -m benchmarks.gpu --smoke` runs "
+    "its paths on the CPU"
+  )
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(
     description=__doc__.split("\n\n")[0],
@@ -871,8 +881,8 @@ def main(argv=None) -> dict:
   for v in args.variants.split(","):
     if v not in VARIANTS:
       parser.error(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}")
-  if jax.default_backend() != "gpu" and not args.smoke:
-    parser.error(f"no GPU (JAX backend {jax.default_backend()!r}): run with --smoke")
+  if unavailable() and not args.smoke:
+    parser.error(unavailable())
   if args.out is None:
     args.out = "bench_out/gpu_smoke.json" if args.smoke else "bench_out/gpu.json"
   with contextlib.suppress(AttributeError):

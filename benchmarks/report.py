@@ -2,8 +2,8 @@
 
 Runs, in this order, each benchmark module of this folder that exists (a missing one is skipped with a
 line saying so): ``host_tier`` (step time of the host tier against plain optax), ``host_update``
-(the CPU-side update), ``nvme_tier`` (the NVMe tier against the raw disk), ``gpu`` (device memory
-and link bandwidth; skips itself without a GPU) and ``multiprocess`` (2 processes on loopback against
+(the CPU-side update), ``nvme_tier`` (the NVMe tier against the raw disk), ``gpu`` (the step-time
+model against a real GPU, link bandwidth, device bytes; skipped without a GPU) and ``multiprocess`` (2 processes on loopback against
 1 process: bytes per tier per process, step time). Each has ``main(argv) -> dict`` and writes its JSON to
 ``--out``; this script then writes ``REPORT.md`` and PNG plots next to them. Every ratio in the report
 compares runs measured in the same invocation (interleaved by the benchmark itself), so machine load
@@ -49,9 +49,9 @@ SIZES = {
     "full": [],
   },
   "gpu": {
-    # memory_analysis is abstract (free) at 1B params; only the timed steps allocate.
-    "quick": ["--time-params", "2.5e8", "--reps", "3", "--bw-bytes", "256MiB"],
-    "default": ["--time-params", "5e8"],
+    # Run only on a GPU (`gpu.unavailable`); the whole run is time-boxed by --budget-s.
+    "quick": ["--budget-s", "150"],
+    "default": [],
     "full": [],
   },
 }
@@ -79,6 +79,11 @@ def run(names, mode: str, out: str, nvme_dir: str) -> tuple[dict, list[str]]:
       print(f"== {name}: benchmarks/{name}.py not present, skipped", flush=True)
       continue
     module = importlib.import_module(f"benchmarks.{name}")
+    why_not = getattr(module, "unavailable", lambda: None)()
+    if why_not:
+      notes.append(f"`benchmarks/{name}.py`: skipped, {why_not}.")
+      print(f"== {name}: skipped, {why_not}", flush=True)
+      continue
     argv = _argv(name, module, mode, out, nvme_dir)
     print(f"== {name}: {' '.join(argv)}", flush=True)
     t0 = time.perf_counter()
@@ -189,41 +194,46 @@ def nvme_rows(r: dict) -> list[tuple[str, str, str, str]]:
 
 
 def gpu_rows(r: dict) -> list[tuple[str, str, str, str]]:
-  mem, bw = r["memory_analysis"], r["bandwidth"]
-  n = r["params_memory_analysis"]
-  rows = [
-    (
-      "gpu",
-      f"device peak (memory_analysis, {n:,} {r['dtype']} params), plain",
-      _gib(mem["plain"]["peak_memory_in_bytes"]),
-      "1.00",
-    ),
-    (
-      "gpu",
-      f"device peak (memory_analysis), offload; host arguments "
-      f"{_gib(mem['offload']['host_argument_size_in_bytes'])}",
-      _gib(mem["offload"]["peak_memory_in_bytes"]),
-      f"{r['ratio_device_peak_offload_vs_plain']:.2f} x plain",
-    ),
-  ]
-  rows += step_rows("gpu", r)
-  put = 2 / (1 / bw["device_put_d2h_Bps"] + 1 / bw["device_put_h2d_Bps"])
-  jit = 2 / (1 / bw["jit_d2h_Bps"] + 1 / bw["jit_h2d_Bps"])
-  rows += [
-    ("gpu", "link, eager device_put (d2h and h2d, harmonic mean)", _gbps(put), "1.00"),
-    (
-      "gpu",
-      "link, jitted transfer between memory kinds",
-      _gbps(jit),
-      f"{jit / put:.2f} x device_put",
-    ),
-    (
-      "gpu",
-      "link, achieved by the offloaded step (2 x host bytes / step time)",
-      _gbps(r["steps"]["achieved_link_Bps"]),
-      f"{r['ratio_link_offload_vs_device_put']:.2f} x device_put",
-    ),
-  ]
+  """Rows of `benchmarks/gpu.py`'s JSON: each step measured against its model, its device bytes
+  against the plain step's, and the link against the model's."""
+  sections = r["sections"]
+  cpu = "" if r.get("backend") == "gpu" else " (CPU smoke run: says nothing about a GPU)"
+  steps = sections.get("steps", {}).get("rows", {})
+  plain = steps.get("plain_bf16", {}).get("memory_analysis", {}).get("device_bytes")
+  rows = []
+  for variant, row in steps.items():
+    if "measured_s" not in row:
+      continue
+    rows.append(
+      (
+        "gpu",
+        f"step, {variant} ({row['params']:,} params), measured{cpu}",
+        _ms(row["measured_s"]),
+        f"{row['ratio']:.2f} x modelled ({_ms(row['modelled_s'])})",
+      )
+    )
+    device = row["memory_analysis"]["device_bytes"]
+    rows.append(
+      (
+        "gpu",
+        f"device bytes (memory_analysis), {variant}",
+        _gib(device),
+        f"{device / plain:.2f} x plain_bf16" if plain else "",
+      )
+    )
+  bandwidth = sections.get("bandwidth", {})
+  if bandwidth.get("rows"):
+    largest = max(bandwidth["rows"], key=lambda row: row["bytes"])
+    for way in ("h2d", "d2h"):
+      best = largest[f"jit_{way}"]["best_Bps"]
+      rows.append(
+        (
+          "gpu",
+          f"link {way}, jitted transfer of {_gib(largest['bytes'])} between memory kinds{cpu}",
+          _gbps(best),
+          f"{bandwidth[f'ratio_measured_vs_model_{way}']:.2f} x modelled",
+        )
+      )
   return rows
 
 
@@ -362,22 +372,17 @@ def _plot_nvme(plt, results: dict):
 
 
 def _plot_gpu(plt, results: dict):
-  """Device peak and host arguments of each variant (memory_analysis)."""
-  if "gpu" not in results:
+  """Device bytes of each step variant (memory_analysis), as `benchmarks/gpu.py` compiled them."""
+  steps = results.get("gpu", {}).get("sections", {}).get("steps", {}).get("rows", {})
+  steps = {k: v for k, v in steps.items() if "memory_analysis" in v}
+  if not steps:
     return None
-  mem = results["gpu"]["memory_analysis"]
   fig, ax = plt.subplots(figsize=(6, 2.5))
-  names = list(mem)
-  ax.barh(names, [mem[k]["peak_memory_in_bytes"] / 2**30 for k in names], label="device peak")
-  ax.barh(
-    names,
-    [mem[k]["host_argument_size_in_bytes"] / 2**30 for k in names],
-    left=[mem[k]["peak_memory_in_bytes"] / 2**30 for k in names],
-    label="host arguments",
-  )
-  ax.set_xlabel("GiB (memory_analysis)")
-  ax.set_title(f"Device memory, {results['gpu']['params_memory_analysis']:,} params")
-  ax.legend(fontsize=8)
+  names = list(steps)
+  ax.barh(names, [steps[k]["memory_analysis"]["device_bytes"] / 2**30 for k in names])
+  ax.set_xlabel("GiB on the device (memory_analysis)")
+  params = next(iter(steps.values()))["params"]
+  ax.set_title(f"Device memory of a step, {params:,} params ({results['gpu'].get('backend')})")
   return fig
 
 

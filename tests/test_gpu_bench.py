@@ -15,6 +15,7 @@ import jax
 import pytest
 
 from benchmarks import gpu
+from benchmarks import report
 
 
 def _number(x) -> bool:
@@ -76,6 +77,14 @@ def check_smoke(out, variants):
     assert pool[which]["backend"] == "cpu" and _number(pool[which]["allocated_bytes"]), pool[which]
   assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in pool["plan"]["warning"]
 
+  # `python -m benchmarks` reads this JSON into its report (it read an older layout and failed).
+  rows = report.rows_for("gpu", on_disk)
+  assert {r[1].split(",")[1].split("(")[0].strip() for r in rows if r[1].startswith("step,")} == (
+    set(variants)
+  )
+  assert all("CPU smoke run" in r[1] for r in rows if "measured" in r[1] or "link" in r[1])
+  assert report.markdown({"gpu": on_disk}, [], [], "test").count("| gpu |") == len(rows)
+
   with zipfile.ZipFile(os.path.splitext(out)[0] + "_hlo.zip") as z:
     names = set(z.namelist())
   assert {f"step_{v}.hlo.txt" for v in variants} | {"nvme.hlo.txt"} <= names
@@ -119,3 +128,8 @@ def test_help_says_the_command_and_what_to_send_back(capsys):
 )
 def test_nearest_target(kind, memory, backend, target):
   assert gpu.nearest_target(kind, memory, backend)[0] == target
+
+
+def test_the_report_skips_the_gpu_run_without_a_gpu(tmp_path):
+  results, notes = report.run(["gpu"], "quick", str(tmp_path), str(tmp_path / "nvme"))
+  assert results == {} and len(notes) == 1 and "skipped, no GPU" in notes[0], notes
