@@ -270,13 +270,16 @@ class Schedule:
     return "\n".join(lines)
 
   def summary(self) -> dict[str, Any]:
-    """The figures a test or benchmark reports, as plain numbers."""
+    """The figures a test or benchmark reports, as plain numbers: copies and their bytes per run
+    of the program (a loop body's once per iteration, `executions`)."""
     out: dict[str, Any] = {}
     for d in ("to_device", "to_host"):
-      hit, total = self.overlap(d)
+      hit, total = self.overlap(d, per_execution=True)
       out[f"copies_{d}"] = total
       out[f"copies_{d}_overlapped"] = hit
-      out[f"bytes_{d}"] = sum(c.nbytes for c in self.copies if c.direction == d)
+      out[f"bytes_{d}"] = sum(
+        c.nbytes * self.executions(c.computation) for c in self.copies if c.direction == d
+      )
     out["max_bytes_in_flight"] = self.max_bytes_in_flight()
     out["callbacks"] = len(self.callbacks)
     out["host_compute"] = len(self.host_compute)
