@@ -666,3 +666,20 @@ def test_a_plan_keeping_the_gradients_whole_names_the_faster_one(tmp_path, two_t
     f"{d['step_time_lower_bound']:.1f} s" in capsys.readouterr().out
   )
   assert fused["step_s_in_backward"] is None
+
+
+def test_weights_beyond_the_budget_without_an_nvme_tier_name_the_budget_that_fits(capsys):
+  # Without an NVMe tier the state stays in host memory too: the advice named only the weights'
+  # 24.21 GiB, and a plan at that budget gave the same advice again (helper review /tmp/revI).
+  argv = [*GOAL[:13], "16GiB"]
+  d = _json(argv, capsys, status=1)
+  (short,) = d["shortfalls"]
+  assert d["bytes_per_tier"]["nvme"] == 0
+  assert "no NVMe tier" in short["advice"] and "give an NVMe tier (--nvme-dir)" in short["advice"]
+  at_least = re.search(r"raise --host-memory to at least (\S+ GiB)", short["advice"]).group(1)
+  # Following the advice, the host fits (the size is rounded up, not to the nearest).
+  assert cli.main([*GOAL[:13], at_least.replace(" ", "")]) == 0
+  assert "fits: yes" in capsys.readouterr().out
+  # The host line says the state is all there, not "what --host-memory leaves".
+  assert cli.main(argv) == 1
+  assert "(all of it: no NVMe tier)" in capsys.readouterr().out

@@ -158,8 +158,14 @@ def host_memory_advice(e: Estimate) -> str:
       if stack or e.accumulator_bytes
       else ""
     )
-    at_least = fmt(fixed + e.nvme_buffer_bytes)
-    if e.host_memory_with_weights_on_nvme is not None:
+    at_least = format_bytes_up(fixed + e.nvme_buffer_bytes)
+    if not e.nvme:
+      # Without an NVMe tier the offloaded state stays in host memory too.
+      at_least = (
+        f"{format_bytes_up(e.host_total_bytes)} (the offloaded state too: no NVMe tier), or give "
+        f"an NVMe tier (--nvme-dir) for the state and at least {at_least} plus its staging buffers"
+      )
+    elif e.host_memory_with_weights_on_nvme is not None:
       at_least = (
         f"{format_bytes_up(e.host_memory_with_weights_on_nvme)}, where the plan puts the stack's "
         "weights on NVMe itself (the NVMe buffers in host memory; the weights read twice a step: "
@@ -181,7 +187,7 @@ def host_memory_advice(e: Estimate) -> str:
     return advice + "."
   return (
     f"the offloaded state does not fit beside the rest: give an NVMe tier (--nvme-dir) for it, "
-    f"or raise --host-memory to at least {fmt(e.host_total_bytes)}."
+    f"or raise --host-memory to at least {format_bytes_up(e.host_total_bytes)}."
   )
 
 

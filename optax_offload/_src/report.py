@@ -137,7 +137,9 @@ def _tiers(e: Estimate) -> list[str]:
     device_parts.append("activations not included")
   limit = "(no --host-limit)" if e.host_limit is None else f"up to --host-limit {fmt(e.host_limit)}"
   if e.host_memory is not None:
-    limit = f"(what --host-memory {fmt(e.host_memory)} leaves)"
+    limit = (
+      f"(what --host-memory {fmt(e.host_memory)} leaves)" if e.nvme else "(all of it: no NVMe tier)"
+    )
   host_note = f"offloaded state {limit}"
   if e.host_weight_bytes:
     stack = "stack weights" if e.update_in_backward else "stack weights and grads"
