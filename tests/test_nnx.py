@@ -5,6 +5,7 @@ import logging
 import jax
 import nnx_child as child
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from conftest import bits_equal
@@ -129,3 +130,17 @@ def test_train_step_compiles_once(tier, tmp_path):
     logger.removeHandler(counter)
     _close(optimizer)
   assert counter.count == 1
+
+
+def test_rng_keys_in_wrt_are_refused_saying_what_to_pass():
+  # wrt=nnx.Variable takes the Dropout's rng key too: jnp.dtype failed on it ("Cannot interpret
+  # 'key<fry>' as a data type", helper review /tmp/revH).
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(4, 4, rngs=rngs)
+      self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+  model = Model(nnx.Rngs(0, dropout=1))
+  with pytest.raises(TypeError, match=r"PRNG keys \(.*dropout.*wrt=nnx.Param"):
+    nnx.Optimizer(model, oo.offload(optax.adamw(1e-3)), wrt=nnx.Variable)
+  nnx.Optimizer(model, oo.offload(optax.adamw(1e-3)), wrt=nnx.Param)

@@ -560,6 +560,12 @@ def test_a_state_of_another_transformation_is_named_as_such(tmp_path):
     with pytest.raises(ValueError, match="made by another transformation") as e:
       tx.update(grads, state, params)
     assert "inject_hyperparams" not in str(e.value)  # tx made a state
+  # Another placement (min_size), either way (helper review /tmp/revH: XLA's memory-space error,
+  # or a message about eval_shape).
+  small = oo.offload(optax.adamw(1e-2), min_size=1)
+  for made, updated in ((small, tx), (tx, small)):
+    with pytest.raises(ValueError, match=r"\['b'\].*another min_size, host_limit or host_memory"):
+      updated.update(grads, made.init(params), params)
   # Renamed leaves are named, not compared by position.
   with pytest.raises(ValueError, match=r"only in the gradients: \['W'\]"):
     tx.update({"W": grads["w"], "b": grads["b"]}, tx.init(params))

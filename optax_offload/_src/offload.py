@@ -335,6 +335,12 @@ class _Offloaded:
     # stack in pinned host memory is; its weights are read below, only where the state needs them.
     values = nvme_stack.host_stand_ins(given)
     avals = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in values]
+    keys = [p for p, a in zip(paths, avals) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)]
+    if keys:
+      raise TypeError(
+        f"offload: the params hold PRNG keys ({', '.join(keys)}), which no optimizer updates: "
+        "pass the trainable params only (with Flax NNX, nnx.Optimizer(model, tx, wrt=nnx.Param))."
+      )
     shardings = [getattr(v, "sharding", None) for v in values]
     if self.master_dtype is not None:
       master_lib.check_master_dtype(values, paths, self.master_dtype)
@@ -615,11 +621,23 @@ def _split_checked(
         f"offload: gradient leaf {path} does not match the optimizer state: its state has shapes "
         f"{got_shapes} but this transformation needs {want_shapes} for it ((0,): on NVMe).{other}"
       )
+    placement = (
+      " Either the state was made by an offload that places it otherwise (another min_size, "
+      "host_limit or host_memory): update a state with the transformation whose init made it; or"
+    )
     for x, tier in zip(got_arrays, tiers):
+      if tier is plan_lib.Tier.DEVICE and memory.in_host(x):
+        raise ValueError(
+          f"offload: the optimizer state of leaf {path} is in pinned host memory, but this "
+          "transformation keeps it on the device: the state was made by an offload that places it "
+          "otherwise (another min_size, host_limit or host_memory). Update a state with the "
+          "transformation whose init made it."
+        )
       if tier is plan_lib.Tier.HOST and not memory.in_host(x):
         raise ValueError(
           f"offload: the optimizer state of leaf {path} is typed as {memory.space_of(x)} memory, but "
-          "offload keeps it in pinned host memory: the state lost its placement. jax.eval_shape "
+          f"this transformation keeps it in pinned host memory.{placement} the state lost its "
+          "placement: jax.eval_shape "
           "returns no memory kinds, and in jax 0.10 a jax.ShapeDtypeStruct carries its memory kind "
           "into tracing only with a NamedSharding (not with the SingleDeviceSharding of a "
           "one-device state); a one-device array built from its shards (jax.make_array_from_"
