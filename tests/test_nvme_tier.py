@@ -812,3 +812,24 @@ def test_the_malloc_recipe_stops_the_steps_page_faults(tmp_path):
   assert min(before[1:]) > 20, (before, after)
   assert sorted(after[-4:])[1] < 2, (before, after)
   assert sum(after[-4:]) < min(before[1:]), (before, after)
+
+
+def test_a_refused_update_of_a_donating_step_says_its_arguments_are_lost(tmp_path):
+  """A closed store or a stale state is refused while the program runs, when JAX has consumed the
+  donated arguments already; the error says so (helper review /tmp/revH: it advised
+  tx.init(params) of params that were gone)."""
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+  )
+  keep, step = _step_fn(tx), jax.jit(_step_fn(tx), donate_argnums=(0, 1))
+  p = make_params()
+  first = tx.init(p)
+  p, state = keep(p, first, make_grads(p, 0))
+  p, state = keep(p, state, make_grads(p, 1))
+  with pytest.raises(Exception, match=r"stale: .*donates its params or state has lost them"):
+    jax.block_until_ready(step(p, first, make_grads(p, 2)))
+  assert all(x.is_deleted() for x in jax.tree.leaves(p))  # what the message says
+  oo.close_nvme(state)
+  p = make_params()
+  with pytest.raises(Exception, match=r"was closed .*donates its params or state has lost them"):
+    jax.block_until_ready(step(p, state, make_grads(p, 0)))

@@ -46,6 +46,7 @@ from optax_offload._src import _compat
 from optax_offload._src import nvme
 from optax_offload._src.nvme_tier import registry
 from optax_offload._src.nvme_tier import shards as shards_lib
+from optax_offload._src.nvme_tier import tier as tier_lib
 from optax_offload._src.nvme_tier.tier import NvmeTier
 
 _TOKEN = jax.ShapeDtypeStruct((3,), jnp.int32)
@@ -83,7 +84,7 @@ class TracedTier:
         f"offload: the NVMe store {store_id} named by this optimizer state is closed "
         "(oo.close_nvme) or belongs to another process, so the state can no longer be updated. "
         "Create a new state with tx.init(params), or restore a checkpoint into one "
-        "(oo.OffloadRestore)."
+        "(oo.OffloadRestore)." + tier_lib.DONATED
       )
     if tier is not self.tier and tier.signature() != self.tier.signature():
       raise ValueError(
@@ -197,7 +198,7 @@ class TracedTier:
           f"updates have moved on from it ({e}). Update the state the latest update returned (it "
           "is unaffected by this error), or restore a checkpoint into it with oo.OffloadRestore. "
           "An update may start only from the latest state or the one it was made from (as "
-          "optax.MultiSteps does)."
+          "optax.MultiSteps does)." + tier_lib.DONATED
         ) from None
       return np.asarray([parent, child, store], np.int32)
 

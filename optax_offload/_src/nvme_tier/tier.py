@@ -50,6 +50,14 @@ class _Slot:
   key: Key
 
 
+DONATED = (
+  " A jitted step that donates its params or state has lost them to this error (JAX consumes "
+  "donated buffers even when the run fails): take them from a checkpoint."
+)
+"""Said by every error of an update refused while its program runs (a closed store, a stale
+state): by then the step's donated arguments are gone."""
+
+
 class NvmeTier:
   """The NVMe-tier state arrays of one parameter tree, and their store.
 
@@ -355,7 +363,7 @@ class NvmeTier:
       raise RuntimeError(
         f"offload: the NVMe store {self.store.directory} of this optimizer state was closed "
         "(oo.close_nvme), so the state can no longer be updated. Create a new state with "
-        "tx.init(params), or restore a checkpoint into one (oo.OffloadRestore)."
+        "tx.init(params), or restore a checkpoint into one (oo.OffloadRestore)." + DONATED
       )
     if generation < self._first_generation:
       raise RuntimeError(
@@ -363,7 +371,7 @@ class NvmeTier:
         f"{self.store.directory} did not make since it was opened (its generations start at "
         f"{self._first_generation}): the state comes from a store that was closed (oo.close_nvme) "
         "or from another process. Create a new state with tx.init(params), or restore a "
-        "checkpoint into one (oo.OffloadRestore)."
+        "checkpoint into one (oo.OffloadRestore)." + DONATED
       )
 
   def close(self) -> None:
