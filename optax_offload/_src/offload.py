@@ -612,6 +612,9 @@ def _split_checked(
       "offload: the optimizer state does not fit the gradients: its tree structure is not the one "
       f"this transformation's inner optimizer makes for them ({detail}).{other}"
     ) from None
+  placed_otherwise = (
+    "made by an offload that places it otherwise (another min_size, host_limit or host_memory)"
+  )
   for path, want_shapes, got, tiers in zip(paths, setup.part_shapes, per_leaf, setup.array_tiers):
     got_arrays = jax.tree.leaves(got)
     got_shapes = [tuple(jnp.shape(x)) for x in got_arrays]
@@ -621,23 +624,19 @@ def _split_checked(
         f"offload: gradient leaf {path} does not match the optimizer state: its state has shapes "
         f"{got_shapes} but this transformation needs {want_shapes} for it ((0,): on NVMe).{other}"
       )
-    placement = (
-      " Either the state was made by an offload that places it otherwise (another min_size, "
-      "host_limit or host_memory): update a state with the transformation whose init made it; or"
-    )
     for x, tier in zip(got_arrays, tiers):
       if tier is plan_lib.Tier.DEVICE and memory.in_host(x):
         raise ValueError(
           f"offload: the optimizer state of leaf {path} is in pinned host memory, but this "
-          "transformation keeps it on the device: the state was made by an offload that places it "
-          "otherwise (another min_size, host_limit or host_memory). Update a state with the "
-          "transformation whose init made it."
+          f"transformation keeps it on the device: the state was {placed_otherwise}. Update a "
+          "state with the transformation whose init made it."
         )
       if tier is plan_lib.Tier.HOST and not memory.in_host(x):
         raise ValueError(
           f"offload: the optimizer state of leaf {path} is typed as {memory.space_of(x)} memory, but "
-          f"this transformation keeps it in pinned host memory.{placement} the state lost its "
-          "placement: jax.eval_shape "
+          f"this transformation keeps it in pinned host memory. Either the state was "
+          f"{placed_otherwise}: update a state with the transformation whose init made it; or the "
+          "state lost its placement: jax.eval_shape "
           "returns no memory kinds, and in jax 0.10 a jax.ShapeDtypeStruct carries its memory kind "
           "into tracing only with a NamedSharding (not with the SingleDeviceSharding of a "
           "one-device state); a one-device array built from its shards (jax.make_array_from_"
