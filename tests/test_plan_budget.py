@@ -683,3 +683,21 @@ def test_weights_beyond_the_budget_without_an_nvme_tier_name_the_budget_that_fit
   # The host line says the state is all there, not "what --host-memory leaves".
   assert cli.main(argv) == 1
   assert "(all of it: no NVMe tier)" in capsys.readouterr().out
+
+
+def test_a_small_disk_under_nvme_dir_is_not_told_to_pass_a_larger_nvme_size(
+  tmp_path, monkeypatch, capsys
+):
+  # --nvme-size only lowers the free space of --nvme-dir's disk: the advice said to pass a larger
+  # one, which changed nothing (helper review /tmp/revK).
+  monkeypatch.setattr(estimate_lib, "free_disk", lambda path: 80 * GiB)
+  d = _json([*GOAL, "--nvme-dir", str(tmp_path), "--nvme-size", "2TB"], capsys, status=1)
+  (short,) = [s for s in d["shortfalls"] if s["tier"] == "nvme"]
+  assert (
+    "--nvme-size only lowers it" in short["advice"]
+    and "larger --nvme-size" not in (short["advice"])
+  )
+  # Without a directory the size given is the disk: a larger one is the fix.
+  d = _json([*GOAL, "--nvme-size", "80GiB"], capsys, status=1)
+  (short,) = [s for s in d["shortfalls"] if s["tier"] == "nvme"]
+  assert "or pass a larger --nvme-size" in short["advice"]

@@ -109,6 +109,8 @@ class Estimate:
       faster by 5% or more (``--update-in-backward yes``), else None.
     nvme_space_of: where `nvme_dir` does not exist yet, the nearest folder of it that does, whose
       file system's free space `nvme_capacity` is (a drive not mounted yet shows here), else None.
+    nvme_free_bytes: where `nvme_dir` is given, the free space of its file system, which bounds
+      `nvme_capacity` (``nvme_size`` only lowers it), else None.
     window_bytes: the window `offload` would use.
     param_bytes: bytes of the parameters on the device (with ``weights_on="host"``: the leaves
       outside the stack).
@@ -195,6 +197,7 @@ class Estimate:
   weights_on_reason: str | None = None
   host_memory_with_weights_on_nvme: int | None = None
   nvme_space_of: str | None = None
+  nvme_free_bytes: int | None = None
   step_s_in_backward: float | None = None
   leaves: tuple[plan_lib.LeafInfo, ...] | None = dataclasses.field(default=None, repr=False)
   plan: plan_lib.Plan | None = dataclasses.field(default=None, repr=False)
@@ -290,8 +293,14 @@ class Estimate:
           self.nvme_disk_bytes,
           self.nvme_capacity,
           f"the NVMe tier keeps up to {NVME_DISK_FACTOR} generations of "
-          f"{format_bytes(self.nvme_bytes + self.nvme_weight_bytes)}: free disk space, point --nvme-dir at a larger disk "
-          "(or pass a larger --nvme-size), or raise --host-memory."
+          f"{format_bytes(self.nvme_bytes + self.nvme_weight_bytes)}: free disk space, point "
+          + (
+            "--nvme-dir at a larger disk (or pass a larger --nvme-size)"
+            if self.nvme_free_bytes is None or self.nvme_capacity < self.nvme_free_bytes
+            else f"--nvme-dir at a larger disk (its free space, {format_bytes(self.nvme_free_bytes)}, "
+            "bounds the tier: --nvme-size only lowers it)"
+          )
+          + ", or raise --host-memory."
           + ("" if self.nvme_space_of is None else f" (This is {self.nvme_space_note}.)"),
         )
       )
@@ -635,7 +644,7 @@ def estimate(
   window = tree_plan.window_bytes(window, device_memory)
   master = parse_master_dtype(master_dtype)
   moments = compress.parse_moment_dtype(moment_dtype)
-  capacity, checked_at = nvme_size, None
+  capacity, checked_at, free = nvme_size, None, None
   if nvme_dir is not None:
     path = host_budget.check_nvme_dir(nvme_dir)
     free = free_disk(path)
@@ -653,6 +662,7 @@ def estimate(
     nvme=nvme_dir is not None or nvme_size is not None,
     nvme_capacity=capacity,
     nvme_space_of=checked_at,
+    nvme_free_bytes=free,
     window_bytes=window,
     activation_bytes=activations,
     bandwidths=Bandwidths() if bandwidths is None else bandwidths,
