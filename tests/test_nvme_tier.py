@@ -305,6 +305,10 @@ def test_unwritable_directory_is_a_clear_error(tmp_path):
   )
   with pytest.raises((NotADirectoryError, PermissionError), match="file"):
     tx.init(make_params())
+  # A place where directories cannot be made at all (a raw FileNotFoundError before).
+  tx = oo.offload(optax.adam(1e-2), host_limit=0, nvme_dir="/proc/optax_offload_test")
+  with pytest.raises(FileNotFoundError, match="Choose an nvme_dir on a local disk"):
+    tx.init(make_params())
 
 
 def test_corrupted_chunk_is_detected_and_named(tmp_path):
@@ -833,3 +837,25 @@ def test_a_refused_update_of_a_donating_step_says_its_arguments_are_lost(tmp_pat
   p = make_params()
   with pytest.raises(Exception, match=r"was closed .*donates its params or state has lost them"):
     jax.block_until_ready(step(p, state, make_grads(p, 0)))
+
+
+def test_an_init_over_an_earlier_runs_state_says_it_replaces_it(tmp_path, caplog):
+  # A rerun of a script on the same nvme_dir started afresh without a word, and the earlier run's
+  # state went (helper review /tmp/revK): the NVMe directory is no checkpoint, and init says so.
+  tx = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path)
+  )
+  _, state = train(tx, make_params(), 2)
+  oo.close_nvme(state)
+  with caplog.at_level("WARNING", logger="optax_offload"):
+    state = tx.init(make_params())
+  oo.close_nvme(state)
+  assert "holds an optimizer state already (committed generation 2" in caplog.text
+  assert "oo.OffloadRestore" in caplog.text
+  caplog.clear()
+  fresh = oo.offload(
+    optax.adam(1e-2), window_bytes=WINDOW, host_limit=HOST_LIMIT, nvme_dir=str(tmp_path / "new")
+  )
+  with caplog.at_level("WARNING", logger="optax_offload"):
+    oo.close_nvme(fresh.init(make_params()))
+  assert "holds an optimizer state already" not in caplog.text

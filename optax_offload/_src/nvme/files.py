@@ -206,6 +206,12 @@ def prepare_directory(directory: pathlib.Path, create: bool) -> None:
         f"cannot create NVMe store directory {d}: {e.strerror}. Choose a writable nvme_dir on a "
         "local disk, or fix its permissions.",
       ) from e
+    if e.errno == errno.ENOENT:  # e.g. under /proc, where mkdir of a missing parent fails so
+      raise FileNotFoundError(
+        e.errno,
+        f"cannot create NVMe store directory {d}: {e.strerror} ({e.filename}). Choose an nvme_dir "
+        "on a local disk.",
+      ) from e
     raise
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import mmap
 import os
 import pathlib
@@ -33,6 +34,8 @@ from optax_offload._src.nvme_tier import rendezvous as rendezvous_lib
 from optax_offload._src.nvme_tier import shards as shards_lib
 from optax_offload._src.nvme_tier.shards import Key
 from optax_offload._src.nvme_tier.shards import Region
+
+logger = logging.getLogger(__name__)
 
 
 def process_directory(nvme_dir: str | os.PathLike) -> str:
@@ -141,6 +144,15 @@ class NvmeTier:
     self._first_generation = (
       max([self.store.committed_generation, *self.store.generations_on_disk]) + 1
     )
+    if self.store.committed_generation >= 0:
+      logger.warning(
+        "offload: %s holds an optimizer state already (committed generation %d, of an earlier "
+        "run or a closed state): the new state starts there and that one is deleted as the new "
+        "one's steps commit. The NVMe directory is no checkpoint: to continue that run, restore "
+        "an Orbax checkpoint of it (oo.OffloadRestore into this state).",
+        self.store.directory,
+        self.store.committed_generation,
+      )
     # Counters of `value_and_update`'s layer callbacks on this tier (`layers.TracedLayers`).
     self.layer_stats: collections.Counter[str] = collections.Counter()
     self.id = registry.register(self)
