@@ -9,7 +9,8 @@ the state is what `oo.estimate` leaves of `--host-memory` after the weights and 
 of ``python -m optax_offload plan`` (docs/consumer.md).
 
   python examples/consumer_13b.py --nvme-dir /nvme/run1                 # 13B, on the GPU
-  python examples/consumer_13b.py --size tiny --steps 3 --nvme-dir /tmp/run1   # a CPU-sized copy
+  python examples/consumer_13b.py --size tiny --steps 3 --nvme-dir /tmp/run1 --host-limit 64KiB
+      # a CPU-sized copy (its state fits in RAM: --host-limit sends the rest to the drive)
   python examples/consumer_13b.py --size tiny --steps 3 --no-nvme       # state in host memory only
   python examples/consumer_13b.py --nvme-dir /tmp/run1 --compile-for rtx4090_24gb  # no GPU (the
       # CUDA plugin): the 13B step compiled for a 24 GB card from its shapes, its device bytes
@@ -219,6 +220,7 @@ def plan(cfg: Config, args) -> oo.Estimate:
     memory_fraction=float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75)),
     window_bytes=cfg.window,
     host_memory=args.host_memory,
+    host_limit=None if args.no_nvme else args.host_limit,
     nvme_dir=None if args.no_nvme else args.nvme_dir,
     update_in_backward=True,
   )
@@ -280,7 +282,11 @@ def main(argv=None) -> dict:
     cfg = dataclasses.replace(cfg, batch=args.batch)
   cfg = dataclasses.replace(cfg, accumulate=args.accumulate, window=args.window_bytes or cfg.window)
   e = plan(cfg, args)
-  print(f"{cfg.params:,} params; plan: {e.bytes_per_tier}, fits: {e.fits}", flush=True)
+  print(
+    f"{cfg.params:,} params; plan (bytes per tier, the stack's weights and the NVMe buffers "
+    f"included): {e.bytes_per_tier}, fits: {e.fits}",
+    flush=True,
+  )
   if not e.fits:
     print("\n".join(f"  {s.tier}: {s.advice}" for s in e.shortfalls), flush=True)
     if not args.force:  # (it would fail later, or swap; --force tries anyway)
@@ -340,7 +346,7 @@ def main(argv=None) -> dict:
     print(f"step {i}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.1f} s)", flush=True)
   oo.sync_nvme(state)
   out = {"losses": losses, "footprint": oo.footprint(state), "plan": e.bytes_per_tier}
-  print("bytes per tier:", out["footprint"])
+  print("optimizer state's bytes per tier (oo.footprint):", out["footprint"])
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(out))
   out["params"], out["state"] = params, state

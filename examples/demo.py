@@ -293,8 +293,6 @@ def main():
     print("no GPU found, running on CPU")
   if args.offload != "none" and not hasattr(oo, "offload"):
     p.error("optax_offload is not importable here; use --offload none")
-  if args.fused and args.offload != "host":
-    p.error("--fused needs --offload host (the update in the backward pass reads host memory)")
   args.stream_layers = args.stream_layers or args.fused
   if args.stream_layers and (args.offload == "none" or args.update_on != "device"):
     p.error("--stream-layers needs --offload host or nvme and --update-on device")

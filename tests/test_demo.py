@@ -46,3 +46,23 @@ def test_demo_streams_the_block_stack_and_matches_plain_optax(tmp_path):
   assert summary["loss_check"] == "bit-identical"
   assert summary["max_param_diff"] == 0, summary["max_param_diff_leaf"]
   assert summary["runs"]["stream"]["tiers"]["host"] > 0
+
+
+def test_demo_fused_with_the_state_on_nvme_matches_plain_optax(tmp_path):
+  # --fused --offload nvme was refused ("--fused needs --offload host"), though value_and_update
+  # updates an NVMe tier in the backward pass (helper review /tmp/revK).
+  summary = run_demo(
+    tmp_path,
+    "--layers",
+    "2",
+    "--steps",
+    "6",
+    "--fused",
+    "--offload",
+    "nvme",
+    "--host-limit",
+    "64KiB",
+  )
+  assert summary["loss_check"] == "bit-identical"
+  assert summary["max_param_diff"] == 0, summary["max_param_diff_leaf"]
+  assert summary["runs"]["fused"]["tiers"]["nvme"] > 0
