@@ -183,6 +183,35 @@ def test_closed_over_arrays_are_differentiated():
   assert_close(want[1], got[1], rtol=1e-6)
 
 
+@pytest.mark.parametrize("where", ["pinned_host", "device"])
+def test_an_integer_leaf_of_the_stack_is_frozen(where):
+  """A frozen int8 base beside float adapters (QLoRA-style): no gradient for it, as for lax.scan
+  (the backward built an int8 gradient block where jax.vjp gives float0, a TypeError inside JAX;
+  helper review /tmp/revJ); through value_and_update too, the base closed over."""
+  n, d = 3, 8
+  q = jnp.round(jax.random.normal(jax.random.key(0), (n, d, d)) * 12).astype(jnp.int8)
+  a = 0.01 * jax.random.normal(jax.random.key(1), (n, d, d))
+  x = jnp.ones((2, d))
+
+  def body(x, p):
+    return jnp.tanh(x @ (p["q"].astype(jnp.float32) / 40 + p["a"])), None
+
+  def loss(a, x, q, scan):
+    return jnp.sum(scan(body, x, {"q": q, "a": a})[0] ** 2)
+
+  want = jax.jit(
+    jax.grad(lambda a: loss(a, x, q, lambda *b: lax.scan(jax.checkpoint(b[0]), *b[1:])))
+  )(a)
+  base = oo.to_pinned_host(q) if where == "pinned_host" else q
+  got = jax.jit(jax.grad(lambda a: loss(a, x, base, oo.offloaded_scan)))(oo.to_pinned_host(a))
+  assert_close(want, got)
+  tx = oo.offload(optax.sgd(0.1))
+  params = {"a": oo.to_pinned_host(a)}
+  fused = oo.value_and_update(lambda p, x: loss(p["a"], x, base, oo.offloaded_scan), tx)
+  _, new, _ = jax.jit(fused)(params, tx.init(params), x)
+  assert_close(a - 0.1 * want, new["a"])
+
+
 def test_eager_calls_match_the_scan():
   body = lambda x, p: (jnp.tanh(x @ p["w"] + p["b"]), jnp.sum(x))  # noqa: E731
   assert_trees_equal(

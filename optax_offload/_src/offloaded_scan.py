@@ -72,9 +72,12 @@ def _flat(stack) -> tuple[list[Any], Any]:
   return jax.tree.flatten(stack, is_leaf=nvme_stack.is_leaf)
 
 
-def _on_disk(stack) -> list[bool]:
-  """Per leaf of the stack, whether it is on NVMe (frozen: no gradient)."""
-  return [nvme_stack.is_leaf(a) for a in _flat(stack)[0]]
+def _frozen(stack) -> list[bool]:
+  """Per leaf of the stack, whether it gets no gradient: on NVMe, or not of a float dtype (an
+  int8 base under adapters), as `jax.grad` differentiates none of those."""
+  return [
+    nvme_stack.is_leaf(a) or not jnp.issubdtype(a.dtype, jnp.inexact) for a in _flat(stack)[0]
+  ]
 
 
 def _fetch(stack, i, where: str = "forward", token=None):
@@ -107,8 +110,8 @@ def read_disk_leaves(leaves, out, i, where: str, token, row: bool = False):
 
 
 def _trainable(stack) -> list[Any]:
-  """The stack's leaves that get a gradient (not on NVMe)."""
-  return [a for a in _flat(stack)[0] if not nvme_stack.is_leaf(a)]
+  """The stack's leaves that get a gradient (not `_frozen`)."""
+  return [a for a, f in zip(_flat(stack)[0], _frozen(stack)) if not f]
 
 
 def _set(buf, i, tree):
@@ -327,20 +330,22 @@ def _streamed_bwd(body, y_aval, res, cotangents):
   del y_aval
   consts, xs, stack, tok = res
   g, gys = cotangents
-  disk = _on_disk(stack)
+  frozen_leaves = _frozen(stack)
   treedef = _flat(stack)[1]
 
   def one(g, w, i, gconsts):
     x = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
     gy = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), gys)
     leaves = jax.tree.leaves(w)
-    frozen = [a for a, d in zip(leaves, disk) if d]
+    frozen = [a for a, f in zip(leaves, frozen_leaves) if f]
 
-    def layer(consts, x, trained):  # the weights on NVMe are constants: no gradient computed
+    def layer(consts, x, trained):  # frozen weights are constants: no gradient computed
       it, fr = iter(trained), iter(frozen)
-      return body(consts, x, jax.tree.unflatten(treedef, [next(fr if d else it) for d in disk]))
+      return body(
+        consts, x, jax.tree.unflatten(treedef, [next(fr if f else it) for f in frozen_leaves])
+      )
 
-    trained = [a for a, d in zip(leaves, disk) if not d]
+    trained = [a for a, f in zip(leaves, frozen_leaves) if not f]
     _, vjp = jax.vjp(layer, consts, x, trained)  # recompute layer i, then its backward
     gc, gx, gw = vjp((g, gy))
     return _seal(gx), jax.tree.map(jnp.add, gconsts, gc), gw
@@ -348,7 +353,7 @@ def _streamed_bwd(body, y_aval, res, cotangents):
   gconsts0 = jax.tree.map(jnp.zeros_like, consts)
   gconsts, gcarry, gtrained = _backward(one, stack, g, gconsts0, tok)
   it = iter(gtrained)
-  gstack = jax.tree.unflatten(treedef, [None if d else next(it) for d in disk])
+  gstack = jax.tree.unflatten(treedef, [None if f else next(it) for f in frozen_leaves])
   return gconsts, gcarry, gstack
 
 
