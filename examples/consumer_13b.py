@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from jax import lax
 
 import optax_offload as oo
@@ -226,6 +227,21 @@ def plan(cfg: Config, args) -> oo.Estimate:
   )
 
 
+def resume(checkpoints, params, state) -> tuple[dict, oo.OffloadState, int]:
+  """The params and optimizer state of the latest checkpoint, restored into `params`' placement
+  and into `state` (its NVMe data written into this run's store), and the steps it had done."""
+  done = checkpoints.latest_step()
+  restored = checkpoints.restore(
+    done,
+    args=ocp.args.Composite(
+      params=ocp.args.StandardRestore(params), opt_state=oo.OffloadRestore(state)
+    ),
+  )
+  params = restored["params"]
+  print(f"resumed from {checkpoints.directory} after step {done}", flush=True)
+  return params, restored["opt_state"], done
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(
     description=__doc__.split("\n\n")[0],
@@ -267,6 +283,12 @@ def main(argv=None) -> dict:
     help="compile the step for a GPU target without a GPU (rtx4090_24gb, h100_24gb, h100_80gb; "
     "needs the CUDA plugin), print its device bytes and exit: nothing is allocated or trained",
   )
+  p.add_argument(
+    "--ckpt-dir",
+    help="Orbax checkpoints of the params and optimizer state here (NVMe data hard-linked); a "
+    "run finds the latest one and resumes from it",
+  )
+  p.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
   p.add_argument("--json", help="write the losses and bytes per tier here")
   args = p.parse_args(argv)
   if not args.no_nvme and not args.nvme_dir:
@@ -333,17 +355,36 @@ def main(argv=None) -> dict:
     return out
   params = init_params(cfg, device_leaves=args.device_leaves)
   state = tx.init(params)
+  checkpoints, start = None, 0
+  if args.ckpt_dir:
+    checkpoints = ocp.CheckpointManager(
+      os.path.abspath(args.ckpt_dir), options=ocp.CheckpointManagerOptions(max_to_keep=2)
+    )
+    if checkpoints.latest_step() is not None:
+      params, state, start = resume(checkpoints, params, state)
   losses = []
   data = batches(cfg)
+  for _ in range(start):  # the batches the checkpointed steps took
+    next(data)
   first = next(data)
   if jax.default_backend() == "gpu":
     step = step.lower(params, state, first).compile(compiler_options=options)
-  for i in range(args.steps):
+  for i in range(start, args.steps):
     t0 = time.perf_counter()
-    tokens = first if i == 0 else next(data)
+    tokens = first if i == start else next(data)
     loss, params, state = step(params, state, tokens)
     losses.append(float(loss))
     print(f"step {i}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if checkpoints is not None and ((i + 1) % args.ckpt_every == 0 or i + 1 == args.steps):
+      checkpoints.save(
+        i + 1,
+        args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params), opt_state=oo.OffloadSave(state)
+        ),
+      )
+  if checkpoints is not None:
+    checkpoints.wait_until_finished()
+    checkpoints.close()
   oo.sync_nvme(state)
   out = {"losses": losses, "footprint": oo.footprint(state), "plan": e.bytes_per_tier}
   print("optimizer state's bytes per tier (oo.footprint):", out["footprint"])

@@ -5,6 +5,7 @@ import logging
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
 from helpers import gpu_compile_or_skip
@@ -54,6 +55,25 @@ def test_the_script_trains_with_the_state_on_nvme(host_run, tmp_path):
     np.testing.assert_allclose(run["losses"], host_run["losses"], rtol=1e-6)
   finally:
     oo.close_nvme(run["state"])
+
+
+def test_the_script_resumes_from_its_checkpoint(host_run, tmp_path):
+  # --ckpt-dir: a run stopped after 2 steps and run again to 3 goes on from its checkpoint (the
+  # params, and the optimizer state with its NVMe data, restored into the new run's store) and
+  # ends where the run in one go ends (a rerun started afresh before, helper review /tmp/revK).
+  argv = [*TINY, "--nvme-dir", str(tmp_path / "run1"), "--host-limit", "64KiB"]
+  argv += ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "1"]
+  first = _example().main([*argv, "--steps", "2"])
+  oo.close_nvme(first["state"])
+  second = _example().main([*argv, "--steps", "3"])
+  try:
+    assert len(first["losses"]) == 2 and len(second["losses"]) == 1
+    np.testing.assert_allclose(first["losses"] + second["losses"], host_run["losses"], rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(second["params"]), jax.tree.leaves(host_run["params"])):
+      np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2, atol=1e-6)
+    assert second["footprint"]["nvme"] > 0
+  finally:
+    oo.close_nvme(second["state"])
 
 
 def test_the_script_accumulates_with_8bit_moments_and_leaves_kept_on_the_card(tmp_path):
