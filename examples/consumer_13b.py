@@ -8,7 +8,8 @@ AdamW's fp32 master copy and moments are split between host memory and the NVMe 
 the state is what `oo.estimate` leaves of `--host-memory` after the weights and buffers: the plan
 of ``python -m optax_offload plan`` (docs/consumer.md).
 
-  python examples/consumer_13b.py --nvme-dir /nvme/run1                 # 13B, on the GPU
+  python examples/consumer_13b.py --nvme-dir /nvme/run1 --ckpt-dir /nvme/ckpt   # 13B, on the GPU
+      # (Orbax checkpoints every --ckpt-every steps; a rerun resumes from the latest)
   python examples/consumer_13b.py --size tiny --steps 3 --nvme-dir /tmp/run1 --host-limit 64KiB
       # a CPU-sized copy (its state fits in RAM: --host-limit sends the rest to the drive)
   python examples/consumer_13b.py --size tiny --steps 3 --no-nvme       # state in host memory only
