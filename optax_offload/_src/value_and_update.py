@@ -141,7 +141,8 @@ def value_and_update(
   """A training step: the loss, its gradients and the offloaded update, fused.
 
   ``value_and_update(loss_fn, tx)(params, state, *batch)`` returns ``(value, params, state)``
-  with the same values as::
+  with the same values (bit for bit for the layer bodies the tests use; XLA may fuse others
+  differently, within an ulp or two: docs/layers.md, "Numerics") as::
 
     value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, *batch)
     params, state = oo.update_and_apply(tx, grads, state, params)
@@ -255,6 +256,12 @@ class _Step:
     layout = off.layout_for(treedef)
     shared, per_leaf = off.split_checked(setup, layout, off_state.inner, paths)
     if self.k > 1:
+      if any(nvme_stack.is_leaf(b) for b in jax.tree.leaves(batch, is_leaf=nvme_stack.is_leaf)):
+        raise ValueError(
+          f"value_and_update(accumulate={self.k}): a layer stack on NVMe (oo.write_nvme_stack) is "
+          "among the batch arguments, which are split into micro-batches: close over it in the "
+          "loss, or pass it as a keyword argument."
+        )
       for b in jax.tree.leaves(batch):
         if jnp.ndim(b) < 1 or jnp.shape(b)[0] != self.k:
           raise ValueError(
