@@ -300,13 +300,14 @@ def test_stack_leaves_are_refused_where_an_update_or_an_array_is_expected(stack_
   # A frozen base passed as a batch argument of an accumulating step: named, with the fix (its
   # generation scalar was said to lack the micro-batch axis, helper review /tmp/revJ).
   adapters = oo.to_pinned_host(jax.tree.map(jnp.asarray, layers_of(2)[1]))
+  sgd = oo.offload(optax.sgd(0.1))
   step = oo.value_and_update(
     lambda p, x, base: jnp.sum(oo.offloaded_scan(body, x, {"base": base, "lora": p})[0]),
-    oo.offload(optax.sgd(0.1)),
+    sgd,
     accumulate=2,
   )
   with pytest.raises(ValueError, match="layer stack on NVMe .* pass it as a keyword argument"):
-    step(adapters, oo.offload(optax.sgd(0.1)).init(adapters), jnp.ones((2, 3, 8)), on_nvme)
+    step(adapters, sgd.init(adapters), jnp.ones((2, 3, 8)), on_nvme)
 
 
 def test_a_corrupted_layer_is_named(stack_dir):
