@@ -303,10 +303,7 @@ class _Offloaded:
     # No init in this process (e.g. a state restored by other means): plan from the gradients.
     warnings.warn(
       "offload: this transformation updates a state it did not make (no tx.init on it in this "
-      "process), so it plans from the gradients, without nvme_dir and host_limit. If it is built "
-      "anew for each update, as optax.inject_hyperparams(lambda learning_rate: oo.offload(...)) "
-      "does, build it once with the hyper-parameters inside: "
-      "oo.offload(optax.inject_hyperparams(optax.adamw)(learning_rate=...)).",
+      f"process), so it plans from the gradients, without nvme_dir and host_limit. {_BUILT_ONCE}",
       stacklevel=3,
     )
     options = {**self.options, "nvme_dir": None, "host_limit": None}
@@ -583,6 +580,14 @@ def _path_difference(a: Sequence[str], b: Sequence[str], a_name: str, b_name: st
   return "; ".join(parts) or "same leaves, different container types"
 
 
+_BUILT_ONCE = (
+  "If it is built anew for each update, as optax.inject_hyperparams(lambda learning_rate: "
+  "oo.offload(...)) does, build it once with the hyper-parameters inside: "
+  "oo.offload(optax.inject_hyperparams(optax.adamw)(learning_rate=...))."
+)
+"""The fix for an offload that never made the state it updates (said by its warning and errors)."""
+
+
 def _split_checked(
   setup: setup_lib.Setup, layout, inner_state, paths, planned_without_init: bool = False
 ):
@@ -598,11 +603,9 @@ def _split_checked(
   if planned_without_init:
     other += (
       " This transformation made no state in this process (no tx.init on it), so it planned "
-      "from the gradients, without nvme_dir and host_limit. If it is built anew for each update, "
-      "as optax.inject_hyperparams(lambda learning_rate: oo.offload(...)) does, build it once "
-      "with the hyper-parameters inside: oo.offload(optax.inject_hyperparams(optax.adamw)("
-      "learning_rate=...)). A state restored in another process is updated after tx.init of the "
-      "transformation (oo.OffloadRestore restores into its state)."
+      f"from the gradients, without nvme_dir and host_limit. {_BUILT_ONCE} A state restored in "
+      "another process is updated after tx.init of the transformation (oo.OffloadRestore "
+      "restores into its state)."
     )
   try:
     shared, per_leaf = layout.split(inner_state)
