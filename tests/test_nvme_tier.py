@@ -796,7 +796,10 @@ def test_the_gpu_program_keeps_io_callbacks(tmp_path):
   assert len(program.schedule.callbacks) >= 4  # begin, a fetch and a put per group, commit
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the recipe calls glibc's mallopt")
+@pytest.mark.skipif(
+  platform.libc_ver()[0] != "glibc",
+  reason="glibc only: the recipe is glibc's mallopt (musl and macOS have none; the page says glibc)",
+)
 def test_the_malloc_recipe_stops_the_steps_page_faults(tmp_path):
   """docs/tiers.md's mallopt recipe, run as written after a tier's first steps: XLA's temporary
   buffer of a step (over the 32 MiB glibc maps afresh) is kept, so later steps fault no pages in."""
