@@ -1,5 +1,5 @@
 """docs/consumer.md: every `plan` output it shows is the command's output today, and every size its
-prose states is in one of those outputs."""
+prose states is in one of those outputs; docs/tiers.md's `plan` outputs too."""
 
 import contextlib
 import io
@@ -102,6 +102,20 @@ def test_the_page_shows_each_plan_as_printed(page_machine):
       + NVME_STACK_FIGURES
     )
     assert cited or any(figure in o for o in outputs), figure
+
+
+def test_the_tiers_page_shows_each_plan_as_printed(page_machine):
+  """docs/tiers.md's `plan` outputs (a 7B on a 24 GiB card, the state, then the weights too), each
+  printed whole; and its prose: on an 80 GiB card the first fits, with the same bound."""
+  text = (ROOT / "docs" / "tiers.md").read_text()
+  blocks = plan_blocks(text)
+  assert len(blocks) == 2
+  for argv, shown in blocks:
+    assert segments(shown) == [run_plan(argv, page_machine).strip("\n")], argv
+  argv = [("80GiB" if a == "24GiB" else a) for a in blocks[0][0]]
+  printed = run_plan(argv, page_machine)
+  assert "fits: yes" in printed and "step time lower bound: 12.734 s" in printed
+  assert "On an 80 GiB card the same command prints\n`fits: yes`, with the same 12.7 s bound" in text
 
 
 def test_the_frozen_base_figures_it_cites():

@@ -22,6 +22,7 @@ from flax import traverse_util
 from helpers import OPTIMIZERS
 
 import optax_offload as oo
+from optax_offload._src import plan as plan_lib
 
 # `helpers.OPTIMIZERS` says which are exact when grouped (`exact`), and whose params are exact with
 # update_and_apply (`exact_apply`). With one group every
@@ -111,7 +112,13 @@ def test_a_large_leaf_is_updated_in_row_slices():
   plan = oo.make_plan(leaves, min_size=4096, window_bytes=SMALL_WINDOW)
   assert all(len(u) == 1 and not u[0].whole for u in plan.units)
   assert [p.start for (p,) in plan.units][0] == 0 and plan.units[-1][0].stop == 300
-  assert max(plan.group_bytes(leaves)) <= SMALL_WINDOW / 2
+  # README, tiers.md: a group holds at most window_bytes / 2.25 ...
+  assert max(plan.group_bytes(leaves)) <= plan_lib.group_budget(SMALL_WINDOW) < SMALL_WINDOW / 2.24
+  # ... but a leaf whose update cannot be split by rows, which is a group of its own.
+  leaves.append(oo.LeafInfo("whole", 60_000, 480_000, rows=0))
+  plan = oo.make_plan(leaves, min_size=4096, window_bytes=SMALL_WINDOW)
+  assert [u[0].whole for u in plan.units if u[0].leaf == 1] == [True]
+  assert max(plan.group_bytes(leaves)) == 480_000
 
 
 def test_groups_are_several():

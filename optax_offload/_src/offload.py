@@ -112,8 +112,8 @@ def offload(
     window_bytes: the most device memory the update's state takes at once: each group holds at
       most ``window_bytes / 2.25`` of offloaded state (the group updated, the one in transit and
       the update's temporaries). A larger leaf is streamed in row slices when its update allows it
-      (else it is a group of its own). Default: 10% of the device's memory when the backend reports
-      it, else 1 GiB.
+      (else it is a group of its own). Default: 10% of the memory JAX may take on the device (its
+      ``bytes_limit``) when the backend reports it, else 1 GiB.
     check_separable: at ``init``, check on a miniature of the parameter tree that ``inner`` does not
       mix leaves over 16 steps (256 where its updates wait longer), and refuse it otherwise (a
       warning where they wait longer still: ``optax.MultiSteps`` of more micro-steps inside
