@@ -297,6 +297,22 @@ def test_second_offload_on_the_same_directory_names_close_nvme(tmp_path):
   oo.close_nvme(make().init(make_params()))
 
 
+def test_an_init_under_a_trace_is_refused_and_leaves_the_directory_free(tmp_path):
+  # The refusal left the store it had opened locked: the init outside jax.jit that the message asks
+  # for then failed with "locked by another NvmeStore", for the same offload and for a new one.
+  tx = oo.offload(optax.adam(1e-2), host_limit=0, nvme_dir=str(tmp_path))
+  params = make_params()
+  for trace in (jax.jit, lambda f: lambda p: jax.eval_shape(f, p)):
+    with pytest.raises(
+      ValueError, match=r"outside jax.jit and jax.eval_shape .* tx.init\(params\)"
+    ):
+      trace(tx.init)(params)
+  state = tx.init(params)
+  assert oo.footprint(state)["nvme"] > 0
+  oo.close_nvme(state)
+  oo.close_nvme(oo.offload(optax.adam(1e-2), host_limit=0, nvme_dir=str(tmp_path)).init(params))
+
+
 def test_unwritable_directory_is_a_clear_error(tmp_path):
   blocker = tmp_path / "file"
   blocker.write_text("not a directory")

@@ -380,11 +380,25 @@ class _Offloaded:
       return jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, placed
       )
+
+    def close_if_opened_here():
+      # A store this init opened is named by no state once it fails: close it (its directory
+      # unlocked), so that init again opens it afresh (e.g. once the disk has room, or outside
+      # jax.jit) instead of meeting the failed store. One an earlier init opened stays open for
+      # that init's states.
+      if all(setup is not s for s in known):
+        try:
+          setup.close()
+        except Exception as e:  # the store's own error, which the caller is given already
+          logger.debug("offload: closing the NVMe store of a failed init: %s", e)
+
     if any(isinstance(v, jax.core.Tracer) for v in concrete):
       if setup.nvme is not None:
+        close_if_opened_here()
         raise ValueError(
-          "offload with an NVMe tier must be initialised outside jax.jit (init writes the initial "
-          "state to disk)."
+          "offload with an NVMe tier must be initialised outside jax.jit and jax.eval_shape "
+          "(init writes the initial state to disk): call tx.init(params) on concrete params "
+          "(for a state's shapes alone, oo.abstract_state(tx, params))."
         )
       return place(*concrete)
     if setup.nvme is not None:
@@ -393,14 +407,7 @@ class _Offloaded:
           inner, setup, generation, lambda c: treedef.unflatten(leaves_of(c)), concrete, rows
         )
       except BaseException:
-        # A store this init opened is named by no state: close it (its directory unlocked), so
-        # that init again opens it afresh (e.g. once the disk has room) instead of meeting the
-        # failed store. One an earlier init opened stays open for that init's states.
-        if all(setup is not s for s in known):
-          try:
-            setup.close()
-          except Exception as e:  # the store's own error, which the caller is given already
-            logger.debug("offload: closing the NVMe store of a failed init: %s", e)
+        close_if_opened_here()
         raise
     return jax.jit(place, out_shardings=placed)(*concrete)
 
