@@ -347,6 +347,11 @@ def test_api_errors():
     oo.estimate({"w": "hello"})
   with pytest.raises(ValueError, match="update_on"):
     oo.estimate("7B", update_on="tpu")
+  # A dict of Bandwidths' fields, as nvme_options takes one (accepted, then str() raised).
+  e = oo.estimate("7B", bandwidths={"link": 1e9})
+  assert e.bandwidths == oo.Bandwidths(link=1e9) and "/ 1.0 GB/s" in str(e)
+  with pytest.raises(TypeError, match=r"bandwidths=\{'pcie': 1\}; pass oo.Bandwidths"):
+    oo.estimate("7B", bandwidths={"pcie": 1})
 
 
 def test_module_entry_point(tmp_path):

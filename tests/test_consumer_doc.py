@@ -115,7 +115,9 @@ def test_the_tiers_page_shows_each_plan_as_printed(page_machine):
   argv = [("80GiB" if a == "24GiB" else a) for a in blocks[0][0]]
   printed = run_plan(argv, page_machine)
   assert "fits: yes" in printed and "step time lower bound: 12.734 s" in printed
-  assert "On an 80 GiB card the same command prints\n`fits: yes`, with the same 12.7 s bound" in text
+  assert (
+    "On an 80 GiB card the same command prints\n`fits: yes`, with the same 12.7 s bound" in text
+  )
 
 
 def test_the_frozen_base_figures_it_cites():

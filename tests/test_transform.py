@@ -410,6 +410,15 @@ def test_a_mask_or_labels_given_as_a_pytree_work_in_several_groups(name, tmp_pat
     assert_close(want, got[0])
 
 
+def test_to_inner_names_the_memory_kinds_it_takes(params):
+  state = oo.offload(optax.adam(1e-2)).init(params)
+  # "host", as oo.footprint and oo.tiers name the tier, raised JAX's "Could not find memory".
+  with pytest.raises(ValueError, match=r"memory_kind='host'; pass None .* 'pinned_host'"):
+    oo.to_inner(state, memory_kind="host")
+  host = oo.to_inner(state, memory_kind="pinned_host")
+  assert host[0].mu["big"].sharding.memory_kind == "pinned_host"
+
+
 def test_tree_map_params_over_the_state(params):
   tx = oo.offload(optax.adam(1e-2))
   state = tx.init(params)
@@ -825,6 +834,11 @@ def test_state_that_does_not_split_per_parameter_is_refused(params):
     ({"host_limit": -1}, ValueError, "host_limit must be >= 0"),
     ({"host_limit": "lots"}, ValueError, "Could not parse host_limit"),
     ({"window_bytes": "12 parsecs"}, ValueError, "Could not parse window_bytes"),
+    # A unit forgotten (accepted before: all the state on NVMe, or a window of 8192 groups).
+    ({"host_limit": "64"}, ValueError, r"host_limit='64': a string without a unit .* '64GiB'"),
+    ({"window_bytes": "1"}, ValueError, "window_bytes='1': a string without a unit"),
+    # A shell's variable, not expanded (made './$HOME' in the current directory before).
+    ({"nvme_dir": "$HOME/nvme"}, ValueError, r"nvme_dir='\$HOME/nvme'.*os.path.expandvars"),
     ({"window_bytes": -5}, ValueError, "window_bytes must be >= 0"),
     ({"window_bytes": 0}, ValueError, "window_bytes must be > 0"),
     ({"window_bytes": 1.5}, TypeError, "window_bytes must be an int"),
@@ -835,6 +849,16 @@ def test_state_that_does_not_split_per_parameter_is_refused(params):
 def test_bad_arguments(kwargs, error, match):
   with pytest.raises(error, match=match):
     oo.offload(optax.adam(1e-2), **kwargs)
+
+
+def test_an_nvme_dir_under_home_is_expanded(params, tmp_path, monkeypatch):
+  # As write_nvme_stack does (a directory './~' in the current one before).
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.chdir(tmp_path)
+  state = oo.offload(optax.adam(1e-2), host_limit=0, nvme_dir="~/nvme").init(params)
+  oo.close_nvme(state)
+  assert (tmp_path / "home" / "nvme" / "process_0" / "MANIFEST.json").is_file()
+  assert not (tmp_path / "~").exists()
 
 
 def test_host_limit_too_small_without_nvme(params):

@@ -461,6 +461,21 @@ def _nbytes(x: Any) -> int:
   return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 
+def _bandwidths(given: Any) -> Bandwidths:
+  """`estimate`'s `bandwidths`: a `Bandwidths`, or a dict of its fields (the rest default)."""
+  if given is None:
+    return Bandwidths()
+  if isinstance(given, Bandwidths):
+    return given
+  fields = [f.name for f in dataclasses.fields(Bandwidths)]
+  if isinstance(given, dict) and set(given) <= set(fields):
+    return Bandwidths(**given)
+  raise TypeError(
+    f"estimate: bandwidths={given!r}; pass oo.Bandwidths(...) or a dict of its fields "
+    f"({', '.join(fields[:4])}: bytes per second)."
+  )
+
+
 def estimate(
   params: Any,
   *,
@@ -570,7 +585,8 @@ def estimate(
     min_size: leaves with fewer elements keep their state on the device.
     window_bytes: the update window; default, as in `offload`: 10% of `device_memory`, else 1 GiB.
     activation_bytes: activations and workspace to add to the device total (not estimated).
-    bandwidths: link and disk bandwidths; default `Bandwidths()` (see `measure_bandwidths`).
+    bandwidths: link and disk bandwidths, a `Bandwidths` or a dict of its fields (bytes per
+      second); default `Bandwidths()` (see `measure_bandwidths`).
 
   Returns:
     An `Estimate`; ``print(estimate)`` shows the report.
@@ -665,7 +681,7 @@ def estimate(
     nvme_free_bytes=free,
     window_bytes=window,
     activation_bytes=activations,
-    bandwidths=Bandwidths() if bandwidths is None else bandwidths,
+    bandwidths=_bandwidths(bandwidths),
   )
   held_on_nvme = False  # the params hold a layer stack on NVMe (write_nvme_stack's leaves)
   if isinstance(params, int | float | str) and not isinstance(params, bool):

@@ -166,6 +166,12 @@ def to_inner(state: Any, *, memory_kind: str | None = None) -> Any:
     'device'
   """
 
+  if memory_kind not in (None, "device", "pinned_host"):
+    raise ValueError(
+      f"to_inner: memory_kind={memory_kind!r}; pass None (each array where it is), 'device' or "
+      "'pinned_host' (host memory)."
+    )
+
   def unwrap(x):
     if not _is_offload_state(x):
       return x

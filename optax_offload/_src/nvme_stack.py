@@ -55,6 +55,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from optax_offload._src import nvme
+from optax_offload._src import units
 
 FORMAT = "optax_offload.nvme_stack"
 VERSION = 1
@@ -165,7 +166,7 @@ _OPEN: dict[str, _Opened] = {}
 
 
 def _key(directory: str | os.PathLike) -> str:
-  return os.path.abspath(os.path.expanduser(os.fspath(directory)))
+  return os.path.abspath(units.expanded_path(directory, "directory"))
 
 
 def _dtype(a: Any) -> np.dtype:

@@ -95,7 +95,7 @@ def offload(
       reverse). Without `host_memory` it is `value_and_update`'s alone.
     accumulator_dtype: with `host_memory` and ``accumulate > 1``, the accumulators' dtype, as
       given to ``value_and_update`` (which refuses another).
-    nvme_dir: directory for state beyond ``host_limit``: TensorStore arrays in
+    nvme_dir: directory for state beyond ``host_limit`` (a leading ``~`` is expanded): TensorStore arrays in
       ``nvme_dir/process_{i}``, one generation per step, committed atomically. The directory is
       locked by this process until `close_nvme` (or exit); `sync_nvme` waits for
       pending writes.
@@ -164,6 +164,8 @@ def offload(
       "nvme_dir is empty (an unset environment variable?): give the directory on the NVMe drive, "
       "or None for no NVMe tier. Use nvme_dir='.' for the current directory."
     )
+  if nvme_dir is not None:  # '~' as write_nvme_stack takes it; '$VAR' refused
+    nvme_dir = units.expanded_path(nvme_dir, "nvme_dir")
   nvme_options = nvme.NvmeOptions.of(nvme_options)
   host_limit_bytes = units.parse_bytes(host_limit, "host_limit")
   host_memory_bytes = units.parse_bytes(host_memory, "host_memory")

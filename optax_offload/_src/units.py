@@ -7,6 +7,7 @@ share.
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any
 
@@ -187,7 +188,8 @@ def parse_bytes(value: int | str | None, name: str) -> int | None:
     The number of bytes, or None when `value` is None.
 
   Raises:
-    ValueError: for a negative or unparseable value.
+    ValueError: for a negative or unparseable value, or a string without a unit under 1 MiB (a
+      unit forgotten: ``"64"`` for 64 GiB).
     TypeError: for a value that is neither int, str nor None.
 
   Examples:
@@ -218,7 +220,35 @@ def parse_bytes(value: int | str | None, name: str) -> int | None:
       f"Could not parse {name}={value!r}: use an int or a number with a unit, e.g. '64GiB', "
       f"'500MB' (units: {', '.join(u for u in _UNITS if u)})."
     )
+  if unit == "" and 0 < float(match.group(1)) < 2**20:  # as `plan` refuses it: a unit forgotten
+    n = match.group(1)
+    raise ValueError(
+      f"{name}={value!r}: a string without a unit is bytes; give a unit, e.g. '{n}GiB' (2**30 "
+      f"bytes) or '{n}GB' (10**9), or pass an int for bytes."
+    )
   return int(float(match.group(1)) * _UNITS[unit])
+
+
+def expanded_path(path: str | os.PathLike, name: str) -> str:
+  """`path` with a leading ``~`` expanded; ValueError for a ``$VAR`` in it, which Python does not
+  expand either (taken as it is, it names a directory ``$HOME`` in the current one).
+
+  Examples:
+    >>> import os
+    >>> expanded_path("~/run1", "nvme_dir") == os.path.join(os.path.expanduser("~"), "run1")
+    True
+    >>> expanded_path("$HOME/run1", "nvme_dir")
+    Traceback (most recent call last):
+    ...
+    ValueError: nvme_dir='$HOME/run1' holds a variable Python does not expand: pass os.path.expandvars(...) of it, or the path itself.
+  """
+  path = os.path.expanduser(os.fspath(path))
+  if re.search(r"\$(\w|\{)", path):
+    raise ValueError(
+      f"{name}={path!r} holds a variable Python does not expand: pass os.path.expandvars(...) of "
+      "it, or the path itself."
+    )
+  return path
 
 
 def format_bytes_up(n: int) -> str:
