@@ -95,10 +95,10 @@ def offload(
       reverse). Without `host_memory` it is `value_and_update`'s alone.
     accumulator_dtype: with `host_memory` and ``accumulate > 1``, the accumulators' dtype, as
       given to ``value_and_update`` (which refuses another).
-    nvme_dir: directory for state beyond ``host_limit`` (a leading ``~`` is expanded): TensorStore arrays in
-      ``nvme_dir/process_{i}``, one generation per step, committed atomically. The directory is
-      locked by this process until `close_nvme` (or exit); `sync_nvme` waits for
-      pending writes.
+    nvme_dir: directory for state beyond ``host_limit`` (a leading ``~`` is expanded):
+      TensorStore arrays in ``nvme_dir/process_{i}``, one generation per step, committed
+      atomically. The directory is locked by this process until `close_nvme` (or exit);
+      `sync_nvme` waits for pending writes.
     update_on: ``"device"`` streams state groups to the accelerator and updates them there;
       ``"host"`` runs each group's update on the host next to its state (ZeRO-Offload style): only
       gradients go to the host and updates come back.
