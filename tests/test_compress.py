@@ -252,6 +252,12 @@ def test_a_checkpoint_of_narrow_moments_resumes_bit_exact(tmp_path, moment_dtype
     mngr.wait_until_finished()
   want = child.result(*child.run(step, p, s, 3, 5))
   oo.close_nvme(s)
+  # Into plain optax's state (the way back for fp32 moments): refused, naming moment_dtype (the
+  # error named only the paths, and advised the same optimizer, which it was).
+  plain = optax.adamw(1e-3).init(params)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    with pytest.raises(ValueError, match="moment_dtype the checkpoint was saved with"):
+      mngr.restore(3, args=child.restore_args(params, plain))
 
   tx2 = child.make_tx("adamw", "nvme", tmp_path / "nvme_b", moment_dtype=moment_dtype)
   target = tx2.init(params)

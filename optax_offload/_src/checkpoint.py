@@ -742,10 +742,19 @@ def _check_matches(manifest: dict[str, Any], target: _Plain, directory: Any) -> 
     (hs, hd), (ws, wd) = have[p], want[p]
     problems.append(f"{p} is {hd}{list(hs)} in the checkpoint but {wd}{list(ws)} in the target")
   if problems:
+    quantized = [p for p in only_saved + only_target if p.endswith((".codes", ".scales"))]
+    narrowed = [p for p in differ if {have[p][1], want[p][1]} == {"bfloat16", "float32"}]
+    hint = ""
+    if quantized or narrowed:  # (a plain optax target: moments of the optimizer's own dtype)
+      hint = (
+        " The moments' dtype differs (offload's moment_dtype: 8-bit codes and scales, or bf16, "
+        "in one of them): restore into tx.init(params) of an offload with the moment_dtype the "
+        "checkpoint was saved with; oo.to_inner(state) then gives the plain optax state."
+      )
     raise ValueError(
       f"The optimizer state in {directory} does not match the restore target: "
       f"{'; '.join(problems)}. Restore into tx.init(params) of the same optimizer and a parameter "
-      "tree of the same structure, shapes and dtypes."
+      f"tree of the same structure, shapes and dtypes.{hint}"
     )
   return saved
 
