@@ -174,6 +174,25 @@ def test_host_limit_counts_every_local_shard():
   assert oo.footprint(oo.offload(optax.adamw(1e-2), host_limit=held).init(params))["host"] == held
 
 
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_params_on_different_devices_are_named(tier, tmp_path):
+  # Plain optax's eager init takes them; offload's jitted init raised JAX's "incompatible devices"
+  # on the host tier (the NVMe tier named the meshes).
+  d = jax.devices()
+  params = {
+    "w": jax.device_put(jnp.ones((64, 128)), d[0]),
+    "b": jax.device_put(jnp.zeros(8192), d[1]),
+  }
+  nvme = {"host_limit": 0, "nvme_dir": str(tmp_path)} if tier == "nvme" else {}
+  tx = oo.offload(optax.adam(1e-2), **nvme)
+  with pytest.raises(
+    ValueError, match=r"different devices \(\['b'\] on devices \[1\]; \['w'\] on devices \[0\]\)"
+  ):
+    tx.init(params)
+  same = jax.device_put(params, d[0])
+  oo.close_nvme(tx.init(same))
+
+
 def test_estimate_counts_a_replicated_leaf_once_on_nvme(tmp_path):
   """The NVMe tier stores each process's distinct shards once (a replicated leaf once, not once
   a device): estimate counts the bytes footprint finds (helper review /tmp/revF: twice as many)."""

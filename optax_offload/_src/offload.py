@@ -341,6 +341,7 @@ class _Offloaded:
         "pass the trainable params only (with Flax NNX, nnx.Optimizer(model, tx, wrt=nnx.Param))."
       )
     shardings = [getattr(v, "sharding", None) for v in values]
+    _check_one_device_set(paths, shardings)
     if self.master_dtype is not None:
       master_lib.check_master_dtype(values, paths, self.master_dtype)
     traced = any(isinstance(v, jax.core.Tracer) for v in values)
@@ -495,6 +496,22 @@ class _Offloaded:
 _OFFLOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """The update function of each `offload` transformation -> its `_Offloaded` (for
 `apply.update_and_apply` and `abstract_state`)."""
+
+
+def _check_one_device_set(paths: Sequence[str], shardings: Sequence[Any]) -> None:
+  """Raises ValueError when the params are on different sets of devices: init builds the state in
+  one jitted program, which JAX refuses for arrays on different devices."""
+  seen = {}
+  for path, sharding in zip(paths, shardings):
+    if isinstance(sharding, jax.sharding.Sharding):
+      seen.setdefault(frozenset(d.id for d in sharding.device_set), path)
+  if len(seen) > 1:
+    where = "; ".join(f"{p} on devices {sorted(ids)}" for ids, p in seen.items())
+    raise ValueError(
+      f"offload: the params are on different devices ({where}): init and update run as one "
+      "program, which needs every param on the same devices. Put them on one device "
+      "(jax.device_put(params, device)) or one mesh (NamedSharding)."
+    )
 
 
 def abstract_state(tx: optax.GradientTransformation, params: optax.Params) -> OffloadState:
