@@ -357,19 +357,22 @@ def host_typed(x: Any) -> Any:
   return x
 
 
-def install_orbax_array_handler(hint: str) -> bool:
+def install_orbax_array_handler(hint: str, restore_hint: Any = None) -> bool:
   """Replaces Orbax's registered ``jax.Array`` handler by one that knows offloaded states.
 
   The replacement is a subclass of Orbax's own ``ArrayHandler`` with the registered handler's
   settings, which saves and restores exactly as the handler it replaces, except that (1) Orbax's
-  refusal to save a zero-size array (naming only the leaf) gets `hint` appended, and (2) restored
+  refusal to save a zero-size array (naming only the leaf) gets `hint` appended, (2) restored
   arrays in pinned host memory are typed as host memory (`host_typed`), so a restored offloaded
-  state enters a jitted step as ``tx.init``'s did. It is installed only when the registered handler
-  is Orbax's own class (a handler a user registered with another class is left alone).
-  Process-global, as Orbax's registry is.
+  state enters a jitted step as ``tx.init``'s did, and (3) a failed restore gets the note
+  ``restore_hint(infos)`` returns, if any (the error itself unchanged). It is installed only when
+  the registered handler is Orbax's own class (a handler a user registered with another class is
+  left alone). Process-global, as Orbax's registry is.
 
   Args:
     hint: text appended to the zero-size error.
+    restore_hint: None, or a function of the restored arrays' ``ParamInfo``s that returns a note
+      for a failed restore, or None.
 
   Returns:
     Whether the handler was replaced.
@@ -392,7 +395,14 @@ def install_orbax_array_handler(hint: str) -> bool:
       return await super().serialize(values, infos, args)
 
     async def deserialize(self, infos, args=None):
-      return [host_typed(x) for x in await super().deserialize(infos, args)]
+      try:
+        restored = await super().deserialize(infos, args)
+      except Exception as e:
+        note = restore_hint(infos) if restore_hint is not None else None
+        if note:
+          e.add_note(note)
+        raise
+      return [host_typed(x) for x in restored]
 
   handler = OffloadArrayHandler.__new__(OffloadArrayHandler)
   handler.__dict__.update(vars(current))

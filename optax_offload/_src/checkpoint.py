@@ -766,11 +766,26 @@ _ZERO_SIZE_HINT = (
 )
 
 
+def _offload_save_hint(infos: Any) -> str | None:
+  """For a failed restore of arrays that an `OffloadSave` item holds (its SUBDIR beside them), how
+  to restore it; else None."""
+  for info in infos:
+    parent = getattr(info, "parent_dir", None)
+    if parent is not None and os.path.isdir(os.path.join(os.fspath(parent), SUBDIR)):
+      return (
+        f"{os.fspath(parent)} was saved with oo.OffloadSave (its NVMe data and manifest are in "
+        f"{SUBDIR}/ there): restore it with oo.OffloadRestore(tx.init(params)), as an item of "
+        "ocp.args.Composite, not with StandardRestore or PyTreeRestore."
+      )
+  return None
+
+
 # Orbax's own zero-size error names only the leaf; a StandardSave of an NVMe-tier state meets it
-# first, and nothing of ours runs in such a save. So the hint goes into the handler Orbax uses for
-# jax.Array, once, when this module is imported (see docs/checkpoints.md, "What optax_offload
-# changes in Orbax", and `_compat.install_orbax_array_handler` for the non-public parts it relies on).
-_compat.install_orbax_array_handler(_ZERO_SIZE_HINT)
+# first, and nothing of ours runs in such a save; a StandardRestore of an OffloadSave item fails in
+# TensorStore, naming a leaf's file. So the hints go into the handler Orbax uses for jax.Array,
+# once, when this module is imported (see docs/checkpoints.md, "What optax_offload changes in
+# Orbax", and `_compat.install_orbax_array_handler` for the non-public parts it relies on).
+_compat.install_orbax_array_handler(_ZERO_SIZE_HINT, _offload_save_hint)
 
 
 @ocp.args.register_with_handler(OffloadCheckpointHandler, for_save=True)
