@@ -593,6 +593,9 @@ def test_stale_state_is_refused_and_the_current_state_stays_usable(devices, tmp_
   )
   p, states = run(tx, 6, True)  # 4 steps with 2 refused stale updates before each
   try:
+    g = int(states[0].nvme_generation)  # (read_generation's "not committed on disk" before)
+    with pytest.raises(ValueError, match=rf"stale: it names NVMe generation {g}, which the store"):
+      oo.to_inner(states[0])
     assert bits_equal(ref_params, p)
     assert bits_equal(oo.to_inner(ref_states[-1]), oo.to_inner(states[-1]))
     # An update from the newest state's parent is allowed (optax.MultiSteps makes every mini-step

@@ -349,7 +349,14 @@ class NvmeTier:
     """
     layout = self.layout.matching(inner_state)
     shared, per_leaf = layout.split(inner_state)
-    stored = self.store.read_generation(int(np.asarray(generation)))
+    generation = int(np.asarray(generation))
+    if not self.has_generation(generation):
+      raise ValueError(
+        f"offload: this optimizer state is stale: it names NVMe generation {generation}, which "
+        f"the store {self.store.directory} no longer keeps (it keeps the newest generation and "
+        "its parent). Read the state the latest update returned, or restore a checkpoint."
+      )
+    stored = self.store.read_generation(generation)
     arrays = {}
     for key, a in self.arrays.items():
       data = {}  # shard number -> its data (a sliced leaf's slices joined)
