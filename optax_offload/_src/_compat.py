@@ -398,7 +398,10 @@ def install_orbax_array_handler(hint: str, restore_hint: Any = None) -> bool:
       try:
         restored = await super().deserialize(infos, args)
       except Exception as e:
-        note = restore_hint(infos) if restore_hint is not None else None
+        try:  # (a best effort: the restore's own error is the one raised)
+          note = restore_hint(infos) if restore_hint is not None else None
+        except Exception:
+          note = None
         if note:
           e.add_note(note)
         raise
