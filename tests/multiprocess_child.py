@@ -64,6 +64,8 @@ SAVE_AT = None if _option("--save-at") is None else int(_option("--save-at"))
 
 
 HOST_MEMORY = _option("--host-memory")
+if HOST_MEMORY is not None and HOST_MEMORY.isdigit():  # bytes, as the tests compute them
+  HOST_MEMORY = int(HOST_MEMORY)
 HOLD_ON_0 = int(_option("--hold-on-0", 0))
 RESTORE_FROM = _option("--restore-from")
 WIDE = "--wide" in sys.argv
