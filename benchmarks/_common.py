@@ -33,6 +33,9 @@ def make_tree(total: float, leaves: int, dtype=None, *, cols: int = COLS, random
 
   `random`: normal values * 0.02 (a fixed key); else each leaf a constant (``0.02 + 1e-4 * i``), for
   benchmarks where only the bytes matter.
+
+  The leaves are committed to the first device, as a step's outputs are: with uncommitted params
+  the first step after a warm-up compiles again (README), and a timed step would count a compile.
   """
   import jax
   import jax.numpy as jnp
@@ -42,9 +45,11 @@ def make_tree(total: float, leaves: int, dtype=None, *, cols: int = COLS, random
   width = max(2, len(str(leaves - 1)))  # names sort in leaf order
   names = [f"layer_{i:0{width}d}" for i in range(leaves)]
   if not random:
-    return {name: jnp.full((rows, cols), 0.02 + 1e-4 * i, dtype) for i, name in enumerate(names)}
-  keys = jax.random.split(jax.random.key(0), leaves)
-  return {name: jax.random.normal(k, (rows, cols), dtype) * 0.02 for name, k in zip(names, keys)}
+    tree = {name: jnp.full((rows, cols), 0.02 + 1e-4 * i, dtype) for i, name in enumerate(names)}
+  else:
+    keys = jax.random.split(jax.random.key(0), leaves)
+    tree = {name: jax.random.normal(k, (rows, cols), dtype) * 0.02 for name, k in zip(names, keys)}
+  return jax.device_put(tree, jax.devices()[0])
 
 
 def fixed_grads(params):

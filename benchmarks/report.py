@@ -139,21 +139,38 @@ def _gbps(b: float) -> str:
 
 _VARIANTS = {
   "plain": "plain optax AdamW",
+  "plain_optax": "plain optax AdamW",
   "offload": "offload(adamw)",
   "offload_one_group": "offload(adamw), one group",
+  "one_process": "one process",
 }
+_BASELINES = ("plain", "plain_optax", "one_process")
+"""The variant each benchmark's ratios are against, the first of these it has (host_update names
+plain optax `plain_optax`; multiprocess compares two processes with one)."""
+
+
+def _baseline(r: dict) -> str | None:
+  """The key of `r`'s baseline variant in ``median_s``, or None."""
+  med = r.get("median_s") or {}
+  return next((k for k in _BASELINES if k in med), None)
+
+
+def _against(key: str) -> str:
+  """How a ratio names its baseline: "plain" for plain optax."""
+  return "plain" if key.startswith("plain") else _VARIANTS.get(key, key)
 
 
 def step_rows(name: str, r: dict) -> list[tuple[str, str, str, str]]:
   """(benchmark, measurement, value, ratio) rows for a result with ``median_s`` per variant."""
   med = r.get("median_s") or {}
-  plain = med.get("plain")
+  key = _baseline(r)
+  base = med.get(key) if key else None
   rows = []
-  for variant, s in sorted(med.items(), key=lambda kv: kv[0] != "plain"):
+  for variant, s in sorted(med.items(), key=lambda kv: kv[0] != key):
     what = _VARIANTS.get(variant, variant)
     if name == "host_tier" and variant == "offload":
       what += f", {r.get('groups', '?')} groups"
-    ratio = f"{s / plain:.2f} x plain" if plain else ""
+    ratio = f"{s / base:.2f} x {_against(key)}" if base else ""
     rows.append((name, f"step time, {what}", _ms(s), ratio))
   return rows
 
@@ -296,11 +313,12 @@ def plot(results: dict, out: str) -> list[str]:
 
 
 def _plot_steps(plt, results: dict):
-  """Median step time of each variant over plain optax's, in the same run."""
+  """Median step time of each variant over its benchmark's baseline (plain optax; one process for
+  multiprocess), in the same run."""
   steps = [
-    (f"{name}\n{_VARIANTS.get(v, v)}", s / r["median_s"]["plain"], s)
+    (f"{name}\n{_VARIANTS.get(v, v)}", s / r["median_s"][_baseline(r)], s)
     for name, r in results.items()
-    if "plain" in (r.get("median_s") or {})
+    if _baseline(r) is not None
     for v, s in r["median_s"].items()
   ]
   if not steps:
@@ -316,8 +334,8 @@ def _plot_steps(plt, results: dict):
     ax.text(
       bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {_ms(s)}", va="center", fontsize=8
     )
-  ax.set_xlabel("median step time / plain optax (same run)")
-  ax.set_title("Step time per tier vs plain optax")
+  ax.set_xlabel("median step time / baseline: plain optax, or one process (same run)")
+  ax.set_title("Step time per tier vs its baseline")
   return fig
 
 

@@ -133,3 +133,12 @@ def test_nearest_target(kind, memory, backend, target):
 def test_the_report_skips_the_gpu_run_without_a_gpu(tmp_path):
   results, notes = report.run(["gpu"], "quick", str(tmp_path), str(tmp_path / "nvme"))
   assert results == {} and len(notes) == 1 and "skipped, no GPU" in notes[0], notes
+
+
+def test_the_report_gives_each_benchmark_its_baseline():
+  # host_update names plain optax "plain_optax" and multiprocess compares with one process: their
+  # rows had no ratio (the report looked for "plain" only).
+  rows = report.step_rows("host_update", {"median_s": {"plain_optax": 0.02, "offload": 0.03}})
+  assert [r[3] for r in rows] == ["1.00 x plain", "1.50 x plain"]
+  rows = report.step_rows("multiprocess", {"median_s": {"one_process": 0.01, "two": 0.012}})
+  assert [r[3] for r in rows] == ["1.00 x one process", "1.20 x one process"]

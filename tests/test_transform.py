@@ -122,6 +122,16 @@ def test_a_large_leaf_is_updated_in_row_slices():
   assert max(plan.group_bytes(leaves)) == 480_000
 
 
+def test_one_group_takes_a_window_of_nine_times_the_state():
+  # README and tiers.md: a group holds window / 2.25, small leaves grouped up to a quarter of that.
+  leaves = [oo.LeafInfo(f"x{i}", 10_000, 80_000) for i in range(4)]
+  groups = {
+    w: len(oo.make_plan(leaves, min_size=1, window_bytes=int(w * 320_000)).groups)
+    for w in (1.5, 8.9, 9.0)
+  }
+  assert groups == {1.5: 4, 8.9: 2, 9.0: 1}
+
+
 def test_groups_are_several():
   leaves = [oo.LeafInfo("x", 10_000, 80_000)] * 5
   plan = oo.make_plan(leaves, min_size=4096, window_bytes=SMALL_WINDOW)
