@@ -121,8 +121,8 @@ def main() -> None:
     "--weights-on",
     default="device",
     choices=("device", "nvme"),
-    help="--model: nvme puts the stack's weights on NVMe, trained there (default: in pinned "
-    "host memory, as the params are placed)",
+    help="--model: nvme puts the stack's weights on NVMe, trained there; device (the default) "
+    "leaves them where the params are placed: the stack in pinned host memory",
   )
   args = parser.parse_args()
   if args.model is not None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -60,7 +61,7 @@ def _mlp(x, w):
 
 def _mlp_stack(args):
   """The measured runs' stack of bf16 MLP layers, written to NVMe under `--dir` (a temporary
-  directory by default): (layers, bytes a layer, the measured directory, the stack's directory,
+  directory by default; `_remove` deletes it after the run): (layers, bytes a layer, the measured directory, the stack's directory,
   the stack's leaves, a random generator)."""
   d, f = args.d, 4 * args.d
   layer_bytes = 2 * d * f * 2
@@ -78,6 +79,13 @@ def _mlp_stack(args):
 
   stack = oo.write_nvme_stack(stack_dir, layer, num_layers=n)
   return n, layer_bytes, directory, stack_dir, stack, rng
+
+
+def _remove(stack_dir: str, directory: str, args) -> None:
+  """Deletes the measured stack, and the directory too where it was a temporary one (no `--dir`)."""
+  shutil.rmtree(stack_dir, ignore_errors=True)
+  if not args.dir:
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _compared(n: int, layer_bytes: int, times: dict[str, list[float]], directory: str):
@@ -127,6 +135,7 @@ def cpu(args) -> dict:
   stats = opened.store.stats
   oo.close_nvme_stack(base)
   disk, out = _compared(n, layer_bytes, times, directory)
+  _remove(stack_dir, directory, args)
   host_s, nvme_s = out["step_s_host"], out["step_s_nvme"]
   per_step = statistics.median(read[1:])
   out = {
@@ -198,6 +207,7 @@ def train(args) -> dict:
         )
   oo.close_nvme_stack(runs["nvme"]["layers"])
   disk, out = _compared(n, layer_bytes, times, directory)
+  _remove(stack_dir, directory, args)
   host_s, nvme_s = out["step_s_host"], out["step_s_nvme"]
   read, written, fetches = (statistics.median(m[i] for m in moved[1:]) for i in range(3))
   disk_s = read / disk.nvme_read + written / disk.nvme_write

@@ -407,27 +407,36 @@ def _plot_gpu(plt, results: dict):
 # -- the report ----------------------------------------------------------------------------------------
 
 
-def _machine(results: dict) -> str:
+def _machine(results: dict, load: bool = True) -> str:
+  """The machine, and its load average now (`load`: a report of results measured now)."""
   import jax
 
   first = next(iter(results.values()), {})
   device = first.get("device") or str(jax.devices()[0].device_kind)
+  now = f", load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}" if load else ""
   return (
     f"JAX {jax.__version__}, backend {jax.default_backend()} ({device}), {platform.machine()}, "
-    f"{os.cpu_count()} CPUs, load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    f"{os.cpu_count()} CPUs{now}"
   )
 
 
-def markdown(results: dict, notes: list[str], figures: list[str], command: str) -> str:
+def markdown(
+  results: dict, notes: list[str], figures: list[str], command: str, written: str | None = None
+) -> str:
+  """The report. `written`: when the results were written, for a report rebuilt from them
+  (``--report-only``); None for results measured by this run."""
   now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   rows = [row for name, r in results.items() for row in rows_for(name, r)]
+  when = f"on {now}" if written is None else f"on {now}, from the results written {written}"
   lines = [
     "# Benchmark report",
     "",
-    f"`{command}` on {now}; {_machine(results)}.",
+    f"`{command}` {when}; {_machine(results, load=written is None)}.",
     "",
-    "Every ratio compares measurements taken in this run, interleaved by the benchmark (plain, "
-    "offloaded, plain, ...), so machine load hits both sides alike. On the CPU backend the "
+    "Every ratio compares measurements taken in one run of its benchmark, interleaved by the "
+    "benchmark where it runs both sides in one process (plain, offloaded, plain, ...), so machine "
+    "load hits both sides alike (multiprocess runs each setup in processes of its own, in turn). "
+    "On the CPU backend the "
     "host<->device transfers compile to nothing: CPU ratios show the cost of the grouping and the "
     "NVMe tier, not of a PCIe link.",
     "",
@@ -481,13 +490,18 @@ def main(argv=None) -> int:
   mode = "quick" if args.quick else "full" if args.full else "default"
   os.makedirs(args.out, exist_ok=True)
   nvme_dir = os.path.abspath(args.nvme_dir or os.path.join(args.out, "nvme_data"))
+  written = None
   if args.report_only:
     results, notes = load(names, args.out)
+    times = [os.path.getmtime(os.path.join(args.out, f"{n}.json")) for n in results]
+    if times:
+      stamp = datetime.datetime.fromtimestamp(max(times), datetime.UTC)
+      written = stamp.strftime("%Y-%m-%d %H:%M UTC")
   else:
     results, notes = run(names, mode, args.out, nvme_dir)
   figures = plot(results, args.out)
   command = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
-  report = markdown(results, notes, figures, command.strip())
+  report = markdown(results, notes, figures, command.strip(), written)
   path = os.path.join(args.out, "REPORT.md")
   with open(path, "w") as f:
     f.write(report)

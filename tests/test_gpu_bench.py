@@ -142,3 +142,13 @@ def test_the_report_gives_each_benchmark_its_baseline():
   assert [r[3] for r in rows] == ["1.00 x plain", "1.50 x plain"]
   rows = report.step_rows("multiprocess", {"median_s": {"one_process": 0.01, "two": 0.012}})
   assert [r[3] for r in rows] == ["1.00 x one process", "1.20 x one process"]
+
+
+def test_a_rebuilt_report_says_when_its_results_were_written():
+  # --report-only gave the rebuild's date and load average as the measurement's.
+  results = {"host_tier": {"median_s": {"plain": 0.01, "offload": 0.011}, "device": "cpu"}}
+  text = report.markdown(
+    results, [], [], "python -m benchmarks --report-only", "2026-12-01 10:00 UTC"
+  )
+  assert "from the results written 2026-12-01 10:00 UTC" in text and "load average" not in text
+  assert "load average" in report.markdown(results, [], [], "python -m benchmarks")

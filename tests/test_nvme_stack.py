@@ -478,6 +478,7 @@ def test_the_benchmark_runs_at_small_sizes(tmp_path):
   assert out["store_stats"]["fetches"] >= 3 * (2 * 4 - 2)  # 3 steps at least
   assert out["ratio_nvme_to_host"] > 0 and out["disk_read_rate"] > 0
   assert json.loads((tmp_path / "out.json").read_text())["layers"] == 4
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]  # the stack deleted (was kept)
 
 
 LAYERS_PAGE_ROW = (  # docs/layers.md, "Frozen weights on NVMe": the row this test models again
