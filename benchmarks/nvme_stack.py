@@ -61,8 +61,8 @@ def _mlp(x, w):
 
 def _mlp_stack(args):
   """The measured runs' stack of bf16 MLP layers, written to NVMe under `--dir` (a temporary
-  directory by default; `_remove` deletes it after the run): (layers, bytes a layer, the measured directory, the stack's directory,
-  the stack's leaves, a random generator)."""
+  directory by default; `_remove` deletes it after the run): (layers, bytes a layer, the
+  measured directory, the stack's directory, the stack's leaves, a random generator)."""
   d, f = args.d, 4 * args.d
   layer_bytes = 2 * d * f * 2
   n = max(2, int(oo.parse_bytes(args.stack_bytes, "--stack-bytes")) // layer_bytes)
