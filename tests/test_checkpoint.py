@@ -525,8 +525,6 @@ def test_standard_save_of_an_nvme_state_names_offload_save(fast_dir):
   oo.close_nvme(s)
 
 
-# Orbax's other reads of the failed restore end after its event loop closed (an unraisable error).
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_standard_restore_of_an_offload_save_names_offload_restore(fast_dir):
   # TensorStore's NOT_FOUND for the first NVMe leaf was all the user saw.
   params = child.committed_params()
