@@ -258,6 +258,7 @@ def test_a_given_bandwidth_wins_over_a_measured_one(capsys):
     (["plan", "13B", "--window-bytes", "1e3"], "e.g. 24GiB"),  # (1e3GiB would not parse)
     (["plan", "13B", "--host-memory=-48GiB"], "a size must be positive"),
     (["plan", "13"], "write 13B for 13 billion"),
+    (["plan", "0"], "params 0: the model needs a positive count, e.g. 7B"),  # (advised '0B')
     (["plan", "13B", "--target", "rtx4090_24gb", "--tokens-per-step", "-5"], "positive count"),
     ([], "required: COMMAND"),
   ],

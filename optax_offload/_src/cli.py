@@ -314,6 +314,8 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         f"{flag} {value}: a number without a unit is bytes; give a unit, e.g. {n}GiB (2**30 "
         f"bytes{per}) or {n}GB (10**9 bytes{per})."
       )
+  if _BARE_NUMBER.match(args.params) and float(args.params) <= 0:
+    parser.error(f"params {args.params}: the model needs a positive count, e.g. 7B.")
   if _BARE_NUMBER.match(args.params) and float(args.params) < 1000:
     parser.error(
       f"params {args.params}: a bare number is a count of parameters; write {args.params.strip()}B "
