@@ -348,6 +348,8 @@ def test_api_errors():
     oo.estimate({"w": "hello"})
   with pytest.raises(ValueError, match="update_on"):
     oo.estimate("7B", update_on="tpu")
+  with pytest.raises(ValueError, match=r"estimate\(7\): a count of 7 parameters; .* '7B'"):
+    oo.estimate(7)  # (planned 7 parameters without a word, where plan refuses it)
   # A dict of Bandwidths' fields, as nvme_options takes one (accepted, then str() raised).
   e = oo.estimate("7B", bandwidths={"link": 1e9})
   assert e.bandwidths == oo.Bandwidths(link=1e9) and "/ 1.0 GB/s" in str(e)

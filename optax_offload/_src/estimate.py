@@ -691,6 +691,11 @@ def estimate(
         "jax.ShapeDtypeStruct, or an optimizer name for a bare count."
       )
     n, dtype = parse_count(params), parse_dtype(param_dtype)
+    if n < 1000:  # as `plan` refuses a bare count below a thousand: "7" meant 7B
+      raise ValueError(
+        f"estimate({params!r}): a count of {n} parameters; give the model's size, e.g. 7e9 or "
+        "'7B' (a model this small: pass its parameter tree)."
+      )
     stack, on_device, kept_on_device = [], frozenset(), (0, 0)
     if weights_on != "device":
       if not (isinstance(layers, int) and 1 <= layers <= n):
