@@ -240,6 +240,8 @@ def train(args, txs, train_data, train_offsets, val_batches):
     )
   for r in runs.values():
     model = r.pop("model")
+    if hasattr(oo, "close_nvme"):  # waits for the last step's writes: the temp dir goes next
+      oo.close_nvme(nnx.as_pure(r["optimizer"].opt_state))
     del r["optimizer"], r["step_fn"]
     if isinstance(model.blocks, Block):
       unstack_blocks(model)
