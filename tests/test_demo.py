@@ -13,11 +13,27 @@ DEMO = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "demo.py")
 TINY = ["--layers", "1", "--d-model", "64", "--heads", "4", "--seq-len", "32", "--batch", "8"]
 
 
-def run_demo(tmp_path, *args) -> dict:
+# Runs the demo with a check at the exit of its temporary NVMe directory: no store thread may
+# still write there (the committer renamed generations during the rmtree: "Directory not empty").
+NO_NVME_THREADS_AT_TEMP_DIR_EXIT = """
+import runpy, sys, tempfile, threading
+exit_ = tempfile.TemporaryDirectory.__exit__
+def checked_exit(self, *exc):
+  alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("nvme-"))
+  assert not alive, f"NVMe threads still running as the demo removes {self.name}: {alive}"
+  return exit_(self, *exc)
+tempfile.TemporaryDirectory.__exit__ = checked_exit
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_demo(tmp_path, *args, check_threads=False) -> dict:
   """Runs the demo as a user runs it (one CPU device: conftest's XLA_FLAGS ask for 4), with this
   checkout's library; returns its summary.json."""
   out = tmp_path / "out"
-  cmd = [sys.executable, DEMO, *TINY, *args, "--out", str(out)]
+  wrapper = ["-c", NO_NVME_THREADS_AT_TEMP_DIR_EXIT] if check_threads else []
+  cmd = [sys.executable, *wrapper, DEMO, *TINY, *args, "--out", str(out)]
   env = child_env(XLA_FLAGS=None)
   proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -62,6 +78,7 @@ def test_demo_fused_with_the_state_on_nvme_matches_plain_optax(tmp_path):
     "nvme",
     "--host-limit",
     "64KiB",
+    check_threads=True,
   )
   assert summary["loss_check"] == "bit-identical"
   assert summary["max_param_diff"] == 0, summary["max_param_diff_leaf"]
