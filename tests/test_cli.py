@@ -255,6 +255,7 @@ def test_a_given_bandwidth_wins_over_a_measured_one(capsys):
       "--device-memory 24: a number without a unit is bytes",
     ),
     (["plan", "13B", "--link-bandwidth", "25"], "25GB (10**9 bytes per second)"),
+    (["plan", "13B", "--host-memory", "48Gb"], "host_memory='48Gb': a lowercase 'b' is bits"),
     (["plan", "13B", "--window-bytes", "1e3"], "e.g. 24GiB"),  # (1e3GiB would not parse)
     (["plan", "13B", "--host-memory=-48GiB"], "a size must be positive"),
     (["plan", "13"], "write 13B for 13 billion"),

@@ -848,6 +848,9 @@ def test_state_that_does_not_split_per_parameter_is_refused(params):
     # A unit forgotten (accepted before: all the state on NVMe, or a window of 8192 groups).
     ({"host_limit": "64"}, ValueError, r"host_limit='64': a string without a unit .* '64GiB'"),
     ({"window_bytes": "1"}, ValueError, "window_bytes='1': a string without a unit"),
+    # Bits (read as bytes before: "1Gb" planned a GB, 8 times the gigabit written).
+    ({"host_limit": "1Gb"}, ValueError, r"host_limit='1Gb': a lowercase 'b' is bits.*'1GiB'"),
+    ({"window_bytes": "64mb"}, ValueError, "'64MB' or '64MiB'"),
     # A shell's variable, not expanded (made './$HOME' in the current directory before).
     ({"nvme_dir": "$HOME/nvme"}, ValueError, r"nvme_dir='\$HOME/nvme'.*os.path.expandvars"),
     ({"window_bytes": -5}, ValueError, "window_bytes must be >= 0"),

@@ -188,8 +188,8 @@ def parse_bytes(value: int | str | None, name: str) -> int | None:
     The number of bytes, or None when `value` is None.
 
   Raises:
-    ValueError: for a negative or unparseable value, or a string without a unit under 1 MiB (a
-      unit forgotten: ``"64"`` for 64 GiB).
+    ValueError: for a negative or unparseable value, a string without a unit under 1 MiB (a
+      unit forgotten: ``"64"`` for 64 GiB), or a unit of bits (``"1Gb"``, ``"64mb"``).
     TypeError: for a value that is neither int, str nor None.
 
   Examples:
@@ -215,6 +215,11 @@ def parse_bytes(value: int | str | None, name: str) -> int | None:
     return value
   match = _SIZE_RE.match(value)
   unit = match.group(2).upper() if match else None
+  if match and len(match.group(2)) > 1 and match.group(2).endswith("b") and unit in _UNITS:
+    raise ValueError(  # "1Gb" is a gigabit: taken as 1 GB, a size 8 times what was meant
+      f"{name}={value!r}: a lowercase 'b' is bits; give bytes, e.g. '{match.group(1)}{unit[0]}B' "
+      f"or '{match.group(1)}{unit[0]}iB'."
+    )
   if match is None or unit not in _UNITS:
     raise ValueError(
       f"Could not parse {name}={value!r}: use an int or a number with a unit, e.g. '64GiB', "
