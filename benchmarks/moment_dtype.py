@@ -7,6 +7,9 @@ lockstep from one init on the same batches, with AdamW:
 - ``bf16``: ``oo.offload(adamw, moment_dtype="bf16")``, moments in bf16 on the host tier;
 - ``int8``: ``oo.offload(adamw, moment_dtype="int8")``, moments 8-bit block-quantized on the host
   tier (1-D moments in fp32);
+- ``int8_head_fp32``: 8-bit moments but for the output kernel's (``head/kernel``, (d_model, 256):
+  its blocks along the byte vocabulary mix frequent and rare bytes), kept fp32 through
+  ``optax.multi_transform`` (docs/tiers.md, "Choosing per leaf");
 - ``fp32_groups``: fp32 moments updated in several groups (``window_bytes="256KiB"``), whose
   ulp-level differences per update (docs/tiers.md) set the noise floor of any comparison;
 - ``optax_mu_bf16``: plain ``optax.adamw(mu_dtype=bf16)`` (only ``mu`` in bf16, and ``b1 * mu``
@@ -50,6 +53,19 @@ def _demo():
   return demo
 
 
+def _fp32_for_the_head(params):
+  """multi_transform's labels: "fp32" for the output layer's params, "int8" for the others."""
+
+  def label(path, _):
+    return (
+      "fp32"
+      if jax.tree_util.keystr(path, simple=True, separator="/").startswith("head/")
+      else "int8"
+    )
+
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--steps", type=int, default=300)
@@ -80,6 +96,13 @@ def main(argv=None) -> dict:
     "bf16": oo.offload(optax.adamw(args.lr), master_dtype=master, moment_dtype="bf16"),
     "int8": oo.offload(optax.adamw(args.lr), master_dtype=master, moment_dtype="int8"),
   }
+  # 8-bit moments but for the output kernel's, whose blocks along the byte vocabulary mix
+  # frequent and rare bytes (docs/tiers.md): a per-leaf choice through optax.multi_transform.
+  int8_but_head = optax.multi_transform(
+    {"int8": oo.with_moment_dtype(optax.adamw(args.lr), "int8"), "fp32": optax.adamw(args.lr)},
+    _fp32_for_the_head,
+  )
+  txs["int8_head_fp32"] = oo.offload(int8_but_head, master_dtype=master)
   # The noise floor: fp32 moments updated in several groups differ from one group by ulps per
   # update (the numerics rule in DESIGN.md), which training then amplifies.
   txs["fp32_groups"] = oo.offload(optax.adamw(args.lr), master_dtype=master, window_bytes="256KiB")
