@@ -588,7 +588,7 @@ def fp32_for(name):
 
   def labels(params):
     return jax.tree_util.tree_map_with_path(
-      lambda path, _: "fp32" if path[0].key == name else "int8", params
+      lambda path, _: "fp32" if getattr(path[0], "key", None) == name else "int8", params
     )
 
   return labels

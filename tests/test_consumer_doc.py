@@ -37,6 +37,9 @@ ACCUMULATION_FIGURES = ("60 GiB",)
 # test_the_rows_with_leaves_kept_on_the_card, the card's bytes compiled once (in speed.md); the
 # card's bytes of the program with one callback a block (21.4 GiB), as the page says.
 KEPT_FIGURES = ("47.44 GiB", "47.32 GiB", "21.0 GiB", "21.4 GiB", "39.45 GiB", "6.14 GiB")
+# The --head-moment-dtype paragraph: plan bytes pinned by test_the_heads_fp32_moments_plan; the
+# card's bytes (both runs) compiled once by hand, as the page says.
+HEAD_FIGURES = ("46.52 GiB", "71.27 GiB", "73.10 GiB", "20.99 GiB")
 # docs/layers.md's modelled rows of a LoRA step on a frozen base on NVMe (benchmarks/nvme_stack.py
 # gpu), cited by section 5: test_the_frozen_base_figures_it_cites.
 NVME_STACK_FIGURES = ("120.63 GiB", "7.99 GiB", "23.63 GiB", "45 tokens/s", "1,296 tokens/s")
@@ -100,6 +103,7 @@ def test_the_page_shows_each_plan_as_printed(page_machine):
       + ACCUMULATION_FIGURES
       + KEPT_FIGURES
       + NVME_STACK_FIGURES
+      + HEAD_FIGURES
     )
     assert cited or any(figure in o for o in outputs), figure
 
@@ -328,3 +332,28 @@ def test_the_rows_with_leaves_kept_on_the_card(
     assert format_bytes(e.host_weight_bytes + e.accumulator_bytes) == KEPT_FIGURES[4]
     assert format_bytes(e.nvme_buffer_bytes) == KEPT_FIGURES[5]
     assert [r.split("|")[8].strip() for r in rows if "default" not in r] == [KEPT_FIGURES[2]] * 3
+
+
+@pytest.mark.parametrize(
+  "head, host, nvme", [(None, "47.44 GiB", "71.27 GiB"), ("fp32", *HEAD_FIGURES[:3:2])]
+)
+def test_the_heads_fp32_moments_plan(head, host, nvme, page_machine):
+  # The script's own plan (examples/consumer_13b.py), for the page's 48 GiB command with and
+  # without --head-moment-dtype fp32.
+  import importlib.util
+  import sys
+
+  from optax_offload._src.units import format_bytes
+
+  spec = importlib.util.spec_from_file_location("consumer_13b", ROOT / "examples/consumer_13b.py")
+  example = importlib.util.module_from_spec(spec)
+  sys.modules.setdefault("consumer_13b", example)  # dataclasses look their module up
+  spec.loader.exec_module(sys.modules["consumer_13b"])
+  example = sys.modules["consumer_13b"]
+  argv = ["--nvme-dir", page_machine, "--host-memory", "48GiB", "--batch", "2", "--accumulate",
+          "60", "--accumulator-dtype", "bf16", "--moment-dtype", "int8", "--device-leaves", "wq,wo",
+          "--window-bytes", "1.8GiB", "--xla-slop-factor", "115"]  # fmt: skip
+  args, cfg = example.parse_args([*argv, *(["--head-moment-dtype", head] if head else [])])
+  e = example.plan(cfg, args)
+  assert (format_bytes(e.host_total_bytes), format_bytes(e.nvme_bytes)) == (host, nvme)
+  assert host in PAGE.read_text() and nvme in PAGE.read_text()

@@ -11,6 +11,8 @@ import pytest
 from helpers import gpu_compile_or_skip
 
 import optax_offload as oo
+from optax_offload._src import compress
+from optax_offload._src import inspection
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--size", "tiny", "--steps", "3", "--lr", "1e-2"]
@@ -73,15 +75,21 @@ def test_the_script_trains_with_the_state_on_nvme_and_resumes_from_its_checkpoin
 
 def test_the_script_accumulates_with_8bit_moments_and_leaves_kept_on_the_card(tmp_path):
   # The page's 48 GiB configuration at the CPU size: micro-batches accumulated in bf16, 8-bit
-  # moments on the drive, wq and wo kept on the device beside the streamed stack.
+  # moments on the drive, wq and wo kept on the device beside the streamed stack; the head's
+  # moments in fp32 (--head-moment-dtype: its blocks along the vocabulary, docs/tiers.md).
   run = _example().main(
     [*TINY, "--nvme-dir", str(tmp_path / "run1"), "--host-limit", "64KiB", "--accumulate", "2",
-     "--accumulator-dtype", "bf16", "--moment-dtype", "int8", "--device-leaves", "wq,wo"]
+     "--accumulator-dtype", "bf16", "--moment-dtype", "int8", "--device-leaves", "wq,wo",
+     "--head-moment-dtype", "fp32"]
   )  # fmt: skip
   try:
     assert np.all(np.isfinite(run["losses"])) and run["footprint"]["nvme"] > 0
     memory = {k: x.sharding.memory_kind for k, x in run["params"]["layers"].items()}
     assert memory["wq"] == memory["wo"] == "device" and memory["w_gate"] == "pinned_host"
+    adam = inspection._materialized(run["state"]).inner.inner_states
+    assert adam["head"].inner_state[0].nu["head"].dtype == np.float32
+    assert compress.is_quantized(adam["rest"].inner_state[0].nu["layers"]["w_gate"])
+    assert run["footprint"]["nvme"] == run["plan"]["nvme"]  # the plan counts the mixed state
   finally:
     oo.close_nvme(run["state"])
 

@@ -408,9 +408,35 @@ def test_int8_adam_moments_are_bit_exact_for_a_step_then_within_a_code():
     assert flips <= 5  # measured: about 1 code in 12,288 moves, from the second step on
 
 
-def int8_steps(name, dtype, layers, k, clip, on_host, nvme, tmp_path, *, steps):
+def head_in_fp32(make):
+  """`make()` with 8-bit moments but for the head's, kept fp32 (docs/tiers.md, "Choosing per
+  leaf"); value_and_update passes the stack's leaves as a tuple, whose paths have no keys."""
+
+  def labels(params):
+    return jax.tree_util.tree_map_with_path(
+      lambda path, _: "fp32" if getattr(path[0], "key", None) == "head" else "int8", params
+    )
+
+  return optax.multi_transform(
+    {"int8": oo.with_moment_dtype(make(), "int8"), "fp32": make()}, labels
+  )
+
+
+def test_int8_moments_but_the_heads_equal_value_and_grad_then_update_and_apply(tmp_path):
+  steps = int8_steps(
+    "sgd_momentum", "bf16_master", 3, 2, None, True, False, tmp_path, steps=2, head_fp32=True
+  )
+  for got, want in steps:
+    assert_bits_equal(got, want)
+    trace = got[1].inner.inner_states
+    assert trace["fp32"].inner_state[0].trace["head"].dtype == np.float32
+    assert compress.is_quantized(trace["int8"].inner_state[0].trace["layers"]["w_gate"])
+
+
+def int8_steps(name, dtype, layers, k, clip, on_host, nvme, tmp_path, *, steps, head_fp32=False):
   """Per optimizer step, ((params, raw state), the same from `jax.value_and_grad` then
-  `oo.update_and_apply`) as numpy arrays; the raw state holds the codes and scales themselves."""
+  `oo.update_and_apply`) as numpy arrays; the raw state holds the codes and scales themselves.
+  With `head_fp32`, the head's moments are kept fp32 (`head_in_fp32`)."""
   make, _ = OPTIMIZERS[name]
   cfg, params = decoder(layers, jnp.float32 if dtype == "fp32" else jnp.bfloat16)
   params = place_stack(params, on_host)
@@ -418,7 +444,11 @@ def int8_steps(name, dtype, layers, k, clip, on_host, nvme, tmp_path, *, steps):
   def make_tx(nvme_dir=None):
     kwargs = {} if nvme_dir is None else {"nvme_dir": str(nvme_dir), "host_limit": 0}
     master = None if dtype == "fp32" else jnp.float32
-    tx = oo.offload(make(), master_dtype=master, moment_dtype="int8", min_size=256, **kwargs)
+    if head_fp32:
+      inner = head_in_fp32(make)
+    else:
+      inner, kwargs["moment_dtype"] = make(), "int8"
+    tx = oo.offload(inner, master_dtype=master, min_size=256, **kwargs)
     return tx if clip is None else optax.chain(optax.clip_by_global_norm(clip), tx)
 
   def loss(p, t):
