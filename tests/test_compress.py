@@ -647,6 +647,13 @@ def test_one_leafs_moments_stay_fp32_through_multi_transform(params, tier, tmp_p
     oo.close_nvme(got_state)
 
 
+@pytest.mark.parametrize("moment_dtype", ["int8", "bf16"])
+def test_moment_dtype_over_a_per_leaf_choice_is_refused(params, moment_dtype):
+  # It narrowed every moment again: big's fp32 moments became 8-bit, silently (helper review).
+  with pytest.raises(ValueError, match="already keeps moments in 8 bits.*Leave moment_dtype unset"):
+    oo.offload(int8_but("big"), moment_dtype=moment_dtype).init(params)
+
+
 def test_the_7b_plan_with_int8_moments():
   e = oo.estimate("7B", param_dtype="bf16", master_dtype="fp32", moment_dtype="int8")
   # fp32 master 4 B + mu and nu 1 B each + 4 B per 256: 42.2 GB instead of 84 (56 with bf16).

@@ -409,6 +409,21 @@ def _quantize_moments(inner: optax.GradientTransformation, state: Any, params: A
   return _map_moments(inner, state, params, quantized)
 
 
+def _unquantized_init(inner: optax.GradientTransformation, params: Any) -> Any:
+  """`inner.init(params)`; ValueError if its state already holds 8-bit moments (a
+  `with_moment_dtype` inside `inner`, e.g. per leaf in ``optax.multi_transform``), whose other
+  moments narrowing again would take from the dtype chosen for them."""
+  state = inner.init(params)
+  if any(is_quantized(x) for x in jax.tree.leaves(state, is_leaf=is_quantized)):
+    raise ValueError(
+      "moment_dtype: the inner transformation already keeps moments in 8 bits (a "
+      "with_moment_dtype inside it, e.g. per leaf in optax.multi_transform); narrowing all of "
+      "them again would override the dtypes chosen inside. Leave moment_dtype unset (offload's "
+      "too) and choose every leaf's moment dtype inside (docs/tiers.md, 'Choosing per leaf')."
+    )
+  return state
+
+
 def _quantized_moments(
   inner: optax.GradientTransformationExtraArgs,
 ) -> optax.GradientTransformationExtraArgs:
@@ -417,7 +432,7 @@ def _quantized_moments(
   def init_fn(params):
     if layout_lib.asks_for_layout(params):  # tree_map_params and offload ask for the layout
       return inner.init(params)
-    return _quantize_moments(inner, inner.init(params), params)
+    return _quantize_moments(inner, _unquantized_init(inner, params), params)
 
   def update_fn(updates, state, params=None, **extra_args):
     wide = jax.tree.map(
@@ -522,7 +537,7 @@ def with_moment_dtype(
   def init_fn(params):
     if layout_lib.asks_for_layout(params):  # tree_map_params and offload ask for the layout
       return inner.init(params)
-    return narrow(inner.init(params), params)
+    return narrow(_unquantized_init(inner, params), params)
 
   def update_fn(updates, state, params=None, **extra_args):
     like = updates if params is None else params
