@@ -56,12 +56,8 @@ def _demo():
 def _fp32_for_the_head(params):
   """multi_transform's labels: "fp32" for the output layer's params, "int8" for the others."""
 
-  def label(path, _):
-    return (
-      "fp32"
-      if jax.tree_util.keystr(path, simple=True, separator="/").startswith("head/")
-      else "int8"
-    )
+  def label(path, _):  # (as docs/tiers.md's: a key "head" at any depth)
+    return "fp32" if any(getattr(k, "key", None) == "head" for k in path) else "int8"
 
   return jax.tree_util.tree_map_with_path(label, params)
 

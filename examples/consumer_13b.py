@@ -224,9 +224,10 @@ def optimizer(args) -> tuple[optax.GradientTransformation, str | None]:
     return adamw if dtype in (None, "fp32") else oo.with_moment_dtype(adamw, dtype)
 
   def labels(params):  # (value_and_update passes a layer stack's leaves as a tuple: no keys)
-    return jax.tree_util.tree_map_with_path(
-      lambda path, _: "head" if getattr(path[0], "key", None) == "head" else "rest", params
-    )
+    def label(path, _):
+      return "head" if any(getattr(k, "key", None) == "head" for k in path) else "rest"
+
+    return jax.tree_util.tree_map_with_path(label, params)
 
   transforms = {"rest": kept_in(args.moment_dtype), "head": kept_in(args.head_moment_dtype)}
   return optax.multi_transform(transforms, labels), None

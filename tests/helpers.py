@@ -76,6 +76,20 @@ def nvme_optimizers() -> tuple[Optimizer, ...]:
   return tuple(o for o in OPTIMIZERS if o.nvme_host_limit is not None)
 
 
+def consumer_example():
+  """examples/consumer_13b.py as a module, loaded once (as ``consumer_13b``: its dataclasses look
+  their module up in ``sys.modules``)."""
+  if "consumer_13b" not in sys.modules:
+    import importlib.util
+
+    path = os.path.join(ROOT, "examples", "consumer_13b.py")
+    spec = importlib.util.spec_from_file_location("consumer_13b", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["consumer_13b"] = module
+    spec.loader.exec_module(module)
+  return sys.modules["consumer_13b"]
+
+
 def gpu_compile_or_skip(module_level: bool = False) -> None:
   """Skips a test of the XLA:GPU program where the CUDA PJRT plugin is not installed.
 

@@ -340,16 +340,11 @@ def test_the_rows_with_leaves_kept_on_the_card(
 def test_the_heads_fp32_moments_plan(head, host, nvme, page_machine):
   # The script's own plan (examples/consumer_13b.py), for the page's 48 GiB command with and
   # without --head-moment-dtype fp32.
-  import importlib.util
-  import sys
+  from helpers import consumer_example
 
   from optax_offload._src.units import format_bytes
 
-  spec = importlib.util.spec_from_file_location("consumer_13b", ROOT / "examples/consumer_13b.py")
-  example = importlib.util.module_from_spec(spec)
-  sys.modules.setdefault("consumer_13b", example)  # dataclasses look their module up
-  spec.loader.exec_module(sys.modules["consumer_13b"])
-  example = sys.modules["consumer_13b"]
+  example = consumer_example()
   argv = ["--nvme-dir", page_machine, "--host-memory", "48GiB", "--batch", "2", "--accumulate",
           "60", "--accumulator-dtype", "bf16", "--moment-dtype", "int8", "--device-leaves", "wq,wo",
           "--window-bytes", "1.8GiB", "--xla-slop-factor", "115"]  # fmt: skip

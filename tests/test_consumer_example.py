@@ -1,13 +1,12 @@
 """examples/consumer_13b.py (docs/consumer.md) at a CPU size: the plan's bytes and the run's agree."""
 
-import importlib.util
 import logging
 import pathlib
-import sys
 
 import jax
 import numpy as np
 import pytest
+from helpers import consumer_example
 from helpers import gpu_compile_or_skip
 
 import optax_offload as oo
@@ -19,13 +18,7 @@ TINY = ["--size", "tiny", "--steps", "3", "--lr", "1e-2"]
 
 
 def _example():
-  if "consumer_13b" in sys.modules:
-    return sys.modules["consumer_13b"]
-  spec = importlib.util.spec_from_file_location("consumer_13b", ROOT / "examples/consumer_13b.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["consumer_13b"] = module  # dataclasses look their module up
-  spec.loader.exec_module(module)
-  return module
+  return consumer_example()
 
 
 @pytest.fixture(scope="module")

@@ -412,10 +412,11 @@ def head_in_fp32(make):
   """`make()` with 8-bit moments but for the head's, kept fp32 (docs/tiers.md, "Choosing per
   leaf"); value_and_update passes the stack's leaves as a tuple, whose paths have no keys."""
 
-  def labels(params):
-    return jax.tree_util.tree_map_with_path(
-      lambda path, _: "fp32" if getattr(path[0], "key", None) == "head" else "int8", params
-    )
+  def labels(params):  # (as docs/tiers.md's)
+    def label(path, _):
+      return "fp32" if any(getattr(k, "key", None) == "head" for k in path) else "int8"
+
+    return jax.tree_util.tree_map_with_path(label, params)
 
   return optax.multi_transform(
     {"int8": oo.with_moment_dtype(make(), "int8"), "fp32": make()}, labels
