@@ -851,6 +851,7 @@ def test_state_that_does_not_split_per_parameter_is_refused(params):
     # Bits (read as bytes before: "1Gb" planned a GB, 8 times the gigabit written).
     ({"host_limit": "1Gb"}, ValueError, r"host_limit='1Gb': a lowercase 'b' is bits.*'1GiB'"),
     ({"window_bytes": "64mb"}, ValueError, "'64MB' or '64MiB'"),
+    ({"window_bytes": "4096b"}, ValueError, "a lowercase 'b' is bits; give bytes, e.g. '4096B'"),
     # A shell's variable, not expanded (made './$HOME' in the current directory before).
     ({"nvme_dir": "$HOME/nvme"}, ValueError, r"nvme_dir='\$HOME/nvme'.*os.path.expandvars"),
     ({"window_bytes": -5}, ValueError, "window_bytes must be >= 0"),

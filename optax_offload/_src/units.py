@@ -215,11 +215,10 @@ def parse_bytes(value: int | str | None, name: str) -> int | None:
     return value
   match = _SIZE_RE.match(value)
   unit = match.group(2).upper() if match else None
-  if match and len(match.group(2)) > 1 and match.group(2).endswith("b") and unit in _UNITS:
-    raise ValueError(  # "1Gb" is a gigabit: taken as 1 GB, a size 8 times what was meant
-      f"{name}={value!r}: a lowercase 'b' is bits; give bytes, e.g. '{match.group(1)}{unit[0]}B' "
-      f"or '{match.group(1)}{unit[0]}iB'."
-    )
+  if match and match.group(2).endswith("b") and unit in _UNITS:
+    n = match.group(1)  # "1Gb" is a gigabit: taken as 1 GB, a size 8 times what was meant
+    fix = f"'{n}B'" if unit == "B" else f"'{n}{unit[0]}B' or '{n}{unit[0]}iB'"
+    raise ValueError(f"{name}={value!r}: a lowercase 'b' is bits; give bytes, e.g. {fix}.")
   if match is None or unit not in _UNITS:
     raise ValueError(
       f"Could not parse {name}={value!r}: use an int or a number with a unit, e.g. '64GiB', "
