@@ -1335,3 +1335,21 @@ def test_closure_key_of_user_code_dressed_as_the_librarys():
     return optax.inject_hyperparams(optax.adamw)(learning_rate=optax.linear_schedule(1e-3, 0, 9))
 
   assert closure_key(make())[0] == closure_key(make())[0] is not None
+
+
+def test_a_new_trace_reads_the_inner_optimizers_python_values_again(params):
+  # A schedule reading a Python value (a sweep's learning rate): a new jax.jit of the step, or an
+  # eager update, sees its current value as plain optax does. The inner update's jitted call was
+  # kept for the process: the second learning rate was never read, and a new offload's
+  # separability check compared a fresh trace with the stale one ("not separable", helper revP).
+  lr = {"v": 1e-2}
+  base = optax.sgd(lambda count: lr["v"])
+  for value in (1e-2, 1.0):
+    lr["v"] = value
+    for update_on in ("device", "host"):
+      tx = oo.offload(base, update_on=update_on)
+      state = tx.init(params)  # (raised 'not separable' at the second value)
+      for step in (jax.jit(tx.update), tx.update):
+        got = step(params, state, params)[0]
+        want = base.update(params, base.init(params), params)[0]
+        assert bits_equal(got, want), (value, update_on)

@@ -169,19 +169,27 @@ def _local(box: Box, start: int) -> Box:
 
 
 _TRACED_UPDATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per inner update, per trace it is called in: its jitted call (`_inner_update`)."""
 
 
 def _inner_update(inner):
   """``inner.update``; inside a trace, a jitted call, so that the many chunk and group updates of
-  the same shapes are traced once (XLA inlines the call: the program is the same)."""
+  the same shapes are traced once (XLA inlines the call: the program is the same).
+
+  Once per trace: a jitted call kept beyond it would keep its own trace of `inner` too, with what
+  Python values `inner` read then (a schedule reading a global, as plain optax re-reads in a new
+  ``jax.jit``)."""
 
   def call(grads, state, params, extra_args):
-    if not any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(grads)):
+    tracers = [x for x in jax.tree.leaves(grads) if isinstance(x, _compat.Tracer)]
+    if not tracers:
       return inner.update(grads, state, params, **extra_args)
     update = inner.update
-    if update not in _TRACED_UPDATES:
-      _TRACED_UPDATES[update] = jax.jit(lambda g, s, p, kw: update(g, s, p, **kw))
-    return _TRACED_UPDATES[update](grads, state, params, extra_args)
+    per_trace = _TRACED_UPDATES.setdefault(update, weakref.WeakKeyDictionary())
+    trace = tracers[0]._trace
+    if trace not in per_trace:
+      per_trace[trace] = jax.jit(lambda g, s, p, kw: update(g, s, p, **kw))
+    return per_trace[trace](grads, state, params, extra_args)
 
   return call
 
