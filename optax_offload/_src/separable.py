@@ -216,6 +216,96 @@ def splittable(
   ]
 
 
+def same_rule_when_cut(inner, treedef, avals, lengths: Sequence[int], axis: int) -> list[int]:
+  """`lengths` (`splittable`'s), 0 for each leaf whose update `inner` traces otherwise when the
+  leaf is cut to one row (``axis`` 0) or column (1): a mask or labels chosen by a leaf's shape or
+  size, which the split probes' miniatures cannot show, would give a slice another rule than its
+  leaf's. One trace of the tree whole and one with every such leaf cut, compared without their
+  shapes (`_signature`); where they differ, one more per leaf finds which. A warning names the
+  leaves kept whole (for columns, an INFO record). Kept per transformation (`_learned`).
+
+  Examples:
+    >>> import jax, optax
+    >>> avals = [jax.ShapeDtypeStruct((8, 4), "float32")] * 2
+    >>> treedef = jax.tree.structure({"a": 0, "b": 0})
+    >>> same_rule_when_cut(optax.adam(1e-3), treedef, avals, [8, 8], 0)
+    [8, 8]
+    >>> by_size = optax.masked(optax.scale(2.0), lambda p: jax.tree.map(lambda x: x.size > 4, p))
+    >>> same_rule_when_cut(by_size, treedef, avals, [8, 0], 0)  # a row is 4 elements
+    [0, 0]
+  """
+  cut = [n for n, length in enumerate(lengths) if length]
+  if not cut:
+    return list(lengths)
+  known = _learned(inner)[0].cut
+  asked = (treedef, tuple(avals), tuple(lengths), axis)
+  if asked not in known:
+    known[asked] = _same_rule_when_cut(inner, treedef, avals, lengths, axis, cut)
+  return list(known[asked])
+
+
+def _same_rule_when_cut(inner, treedef, avals, lengths, axis, cut) -> list[int]:
+
+  def traced(leaves):
+    def step(params):
+      return inner.update(params, inner.init(params), params)
+
+    try:
+      return _signature(jax.make_jaxpr(step)(treedef.unflatten(list(leaves))))
+    except Exception:  # (whole, the update traced; cut, it may refuse the shape: not cut)
+      return None
+
+  def with_cut(ns):
+    return [
+      jax.ShapeDtypeStruct(a.shape[:axis] + (1,) + a.shape[axis + 1 :], a.dtype) if n in ns else a
+      for n, a in enumerate(avals)
+    ]
+
+  whole = traced(avals)
+  if whole is None or traced(with_cut(set(cut))) == whole:
+    return list(lengths)
+  changed = [n for n in cut if traced(with_cut({n})) != whole]
+  if changed:  # (a column chunk is rarely needed: said at the INFO level)
+    (logger.warning if axis == 0 else logger.info)(
+      "offload: the update of %d leaves changes when they are cut in %s (a mask or labels chosen "
+      "by the leaf's shape or size?): they are updated whole (more of the window). Give such a "
+      "mask as a pytree, e.g. mask=mask_fn(params), to let them be cut. Leaves: %s",
+      len(changed),
+      "row slices" if axis == 0 else "column chunks",
+      ", ".join(jax.tree_util.keystr(p) for p in _paths(treedef, changed)),
+    )
+  return [0 if n in changed else length for n, length in enumerate(lengths)]
+
+
+def _signature(closed) -> tuple:
+  """A traced program without its shapes: its operations in order, calls walked into (a jitted
+  function traced once per shape is printed once per shape), with their literal operands, and
+  its scalar constants (a learning rate that a label picks)."""
+  ops = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      literals = tuple(repr(v.val) for v in eqn.invars if type(v).__name__ == "Literal")
+      ops.append((eqn.primitive.name, literals))
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, tuple | list) else (value,):
+          sub = getattr(sub, "jaxpr", sub)  # (a ClosedJaxpr's)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(closed.jaxpr)
+  consts = tuple(repr(np.asarray(c).item()) for c in closed.consts if np.size(c) == 1)
+  return tuple(ops), consts
+
+
+def _paths(treedef, indices) -> list:
+  paths = [
+    p
+    for p, _ in jax.tree_util.tree_flatten_with_path(treedef.unflatten([0] * treedef.num_leaves))[0]
+  ]
+  return [paths[n] for n in indices]
+
+
 def _both_axes(keys: set[tuple]) -> set[tuple]:
   """The keys and their shapes' other axis (`offload` asks for the rows, then the columns)."""
   return keys | {
@@ -443,6 +533,8 @@ class _Learned:
   """Per (tree structure, leaves' names, steps), the leaves' rules (`_fingerprints`)."""
   separable: set = dataclasses.field(default_factory=set)
   """(params' tree structure, miniature) of each passed `check_separable`."""
+  cut: dict = dataclasses.field(default_factory=dict)
+  """Per (tree structure, avals, lengths, axis), `same_rule_when_cut`'s lengths."""
   steps: int = _FEW_STEPS
   """The split probes' and rules' steps: `_STEPS` once one's update waited longer than fewer."""
 

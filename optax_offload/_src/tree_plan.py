@@ -70,6 +70,11 @@ and `derive_leaves` checks separability on the wider one, whose check compiles i
 the time (8-bit moments: 2.4 s instead of 6.7 s for a 4-layer decoder's miniature, measured once)."""
 
 
+def separability_twin(inner):
+  """`inner` without its narrower moments where `offloaded_inner` gave it some, else `inner`."""
+  return _SEPARABILITY_TWINS.get(inner.update, inner)
+
+
 def window_bytes(given: int | None, device_memory: int | None) -> int:
   """The update's window: as given, else a fraction of the device's memory, else 1 GiB.
 
@@ -269,11 +274,12 @@ def derive_leaves(
       f"params' tree ({type(e).__name__}: {str(e).partition(chr(10))[0][:100]}).{hint}"
     ) from e
   if check_separable:
-    twin = _SEPARABILITY_TWINS.get(inner.update, inner)
+    twin = separability_twin(inner)
     twin_layout = layout if twin is inner else layout_lib.StateLayout(twin, treedef)
     separable.check_separable(twin, twin_layout, paths, avals)
   dims = tuple(separable.shared_dims(part, a.shape) for part, a in zip(parts, avals))
   rows = separable.splittable(inner, avals, parts, dims, min_size, axis=0, treedef=treedef)
+  rows = separable.same_rule_when_cut(separability_twin(inner), treedef, avals, rows, axis=0)
   # A row slice of a leaf whose leading axis is sharded would cut across shards.
   rows = [n if unsharded_axes(s) >= 1 else 0 for n, s in zip(rows, shardings)]
   leaves = []
