@@ -192,6 +192,10 @@ def test_master_dtype_bad_input():
   params = make_params()
   with pytest.raises(ValueError, match=r"narrower than param \['big'\]"):
     oo.offload(optax.adam(1e-2), master_dtype=jnp.bfloat16).init(params)
+  # 16 bits over 16 bits of the other kind kept no master copy, silently (helper revP).
+  for param, master in ((jnp.bfloat16, jnp.float16), (jnp.float16, "bf16")):
+    with pytest.raises(ValueError, match=r"no wider than param \['w'\].*keep no master copy"):
+      oo.offload(optax.adam(1e-2), master_dtype=master).init({"w": jnp.ones((64, 64), param)})
   with pytest.raises(ValueError, match="floating dtype"):
     oo.offload(optax.adam(1e-2), master_dtype=jnp.int32)
   with pytest.raises(ValueError, match="needs jax_enable_x64"):  # it would be a float32 copy

@@ -43,6 +43,12 @@ def check_master_dtype(params_leaves, paths, master_dtype) -> None:
     dtype = jnp.result_type(p)
     if not jnp.issubdtype(dtype, jnp.floating):
       continue  # (an integer or complex param gets no master copy, as a float32 one)
+    if jnp.finfo(dtype).bits == jnp.finfo(master_dtype).bits and dtype != master_dtype:
+      raise ValueError(  # (bf16 and fp16: neither holds the other's values; no copy was kept)
+        f"master_dtype={jnp.dtype(master_dtype).name} is no wider than param {path}'s dtype "
+        f"{dtype.name}, so it would keep no master copy of it. Use master_dtype=jnp.float32 with "
+        "bf16/fp16 params, or master_dtype=None."
+      )
     if jnp.finfo(dtype).bits > jnp.finfo(master_dtype).bits:
       raise ValueError(
         f"master_dtype={jnp.dtype(master_dtype).name} is narrower than param {path}'s dtype "
