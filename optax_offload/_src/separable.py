@@ -222,7 +222,9 @@ def same_rule_when_cut(inner, treedef, avals, lengths: Sequence[int], axis: int)
   size, which the split probes' miniatures cannot show, would give a slice another rule than its
   leaf's. One trace of the tree whole and one with every such leaf cut, compared without their
   shapes (`_signature`); where they differ, one more per leaf finds which. A warning names the
-  leaves kept whole (for columns, an INFO record). Kept per transformation (`_learned`).
+  leaves kept whole (for columns, an INFO record). Kept per transformation (`_learned`); not
+  done for one built of optax's code alone (`closure_key`), which picks no rule by a leaf's size
+  (its shape-dependent rules, adafactor's factoring, the split probes see).
 
   Examples:
     >>> import jax, optax
@@ -230,14 +232,17 @@ def same_rule_when_cut(inner, treedef, avals, lengths: Sequence[int], axis: int)
     >>> treedef = jax.tree.structure({"a": 0, "b": 0})
     >>> same_rule_when_cut(optax.adam(1e-3), treedef, avals, [8, 8], 0)
     [8, 8]
-    >>> by_size = optax.masked(optax.scale(2.0), lambda p: jax.tree.map(lambda x: x.size > 4, p))
-    >>> same_rule_when_cut(by_size, treedef, avals, [8, 0], 0)  # a row is 4 elements
-    [0, 0]
+
+  (A user's mask by size, ``lambda p: jax.tree.map(lambda x: x.size > 4, p)`` in
+  ``optax.masked``, gives ``[0, 0]`` here, a row being 4 elements: tests/test_transform.py.)
   """
   cut = [n for n, length in enumerate(lengths) if length]
   if not cut:
     return list(lengths)
-  known = _learned(inner)[0].cut
+  learned, alike = _learned(inner)
+  if alike:  # only optax's (and this package's) code: no rule picked by a leaf's shape or size
+    return list(lengths)
+  known = learned.cut
   asked = (treedef, tuple(avals), tuple(lengths), axis)
   if asked not in known:
     known[asked] = _same_rule_when_cut(inner, treedef, avals, lengths, axis, cut)
