@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,20 +58,8 @@ def _wrapped(inner, master_dtype, moment_dtype):
   if master_dtype is not None:
     inner = master_lib.with_master_weights(inner, master_dtype)
   if twin is not None:
-    _SEPARABILITY_TWINS[inner.update] = twin
+    separable.register_twin(inner, twin)
   return inner
-
-
-_SEPARABILITY_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""For a transformation `offloaded_inner` returned with narrower moments, the same without them:
-`compress.with_moment_dtype` narrows each leaf's moments on its own, so the two mix leaves alike,
-and `derive_leaves` checks separability on the wider one, whose check compiles in a fraction of
-the time (8-bit moments: 2.4 s instead of 6.7 s for a 4-layer decoder's miniature, measured once)."""
-
-
-def separability_twin(inner):
-  """`inner` without its narrower moments where `offloaded_inner` gave it some, else `inner`."""
-  return _SEPARABILITY_TWINS.get(inner.update, inner)
 
 
 def window_bytes(given: int | None, device_memory: int | None) -> int:
@@ -274,12 +261,11 @@ def derive_leaves(
       f"params' tree ({type(e).__name__}: {str(e).partition(chr(10))[0][:100]}).{hint}"
     ) from e
   if check_separable:
-    twin = separability_twin(inner)
+    twin = separable.twin(inner)
     twin_layout = layout if twin is inner else layout_lib.StateLayout(twin, treedef)
     separable.check_separable(twin, twin_layout, paths, avals)
   dims = tuple(separable.shared_dims(part, a.shape) for part, a in zip(parts, avals))
   rows = separable.splittable(inner, avals, parts, dims, min_size, axis=0, treedef=treedef)
-  rows = separable.same_rule_when_cut(separability_twin(inner), treedef, avals, rows, axis=0)
   # A row slice of a leaf whose leading axis is sharded would cut across shards.
   rows = [n if unsharded_axes(s) >= 1 else 0 for n, s in zip(rows, shardings)]
   leaves = []

@@ -208,8 +208,6 @@ def make_setup(
   the_plan, leaves, array_tiers = tp.plan, tp.leaves, tp.array_tiers
   # Column chunks need the update to split along axis 1 too (and that axis unsharded).
   cols = separable.splittable(inner, avals, tp.parts, tp.dims, min_size, axis=1, treedef=treedef)
-  twin = tree_plan.separability_twin(inner)
-  cols = separable.same_rule_when_cut(twin, treedef, avals, cols, axis=1)
   cols = [n if tree_plan.unsharded_axes(s) >= 2 else 0 for n, s in zip(cols, shardings)]
   spec = stream_spec.StreamSpec(
     the_plan.units,

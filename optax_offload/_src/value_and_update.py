@@ -53,7 +53,6 @@ from optax_offload._src import plan as plan_lib
 from optax_offload._src import separable
 from optax_offload._src import stream
 from optax_offload._src import stream_spec
-from optax_offload._src import tree_plan
 from optax_offload._src import tree_setup as setup_lib
 from optax_offload._src import units
 from optax_offload._src.nvme_tier import layers as nvme_tier_layers
@@ -610,8 +609,6 @@ class _Step:
     _, per_leaf = self.layout.split(jax.eval_shape(off.inner.init, self.treedef.unflatten(avals)))
     dims = [separable.shared_dims(part, a.shape) for part, a in zip(per_leaf, avals)]
     rows = separable.splittable(off.inner, avals, per_leaf, dims, 1, axis=0, treedef=self.treedef)
-    twin = tree_plan.separability_twin(off.inner)
-    rows = separable.same_rule_when_cut(twin, self.treedef, avals, rows, axis=0)
     return rows[i] > 0
 
   def begin(self, off_state):
